@@ -1,0 +1,178 @@
+"""Attention over a paged KV cache, for a flat batch of requests of different lengths.
+
+A batch is a flat list of new tokens (`num_tokens` rows), grouped by request. Each request
+contributes `num_new` tokens starting at position `start`, so its queries see keys
+[0, start + i] (and only the last `window` of those on sliding-window layers). One decode token is
+the case num_new == 1; a prefill chunk after an existing prefix is the general case; nothing here
+knows the difference except for batching.
+
+`paged_attention` is the one function a faster kernel would replace. This version is the
+straightforward one: gather each request's keys/values from its blocks and call torch SDPA.
+All decode requests are batched into one SDPA call (padded to the longest context, masked);
+each prefill chunk gets its own call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class SeqSpan(Protocol):
+    """One request's share of a batch, as the attention needs it."""
+
+    @property
+    def start(self) -> int: ...  # position of the first new token (= tokens already in the KV cache)
+
+    @property
+    def num_new(self) -> int: ...  # new tokens this step
+
+    @property
+    def block_table(self) -> Sequence[int]: ...  # KV blocks holding positions [0, start + num_new)
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    rows: slice  # this request's rows in the flat batch
+    block_ids: torch.Tensor  # [num_blocks_needed] long
+    context_len: int  # start + num_new
+    masks: dict[int | None, torch.Tensor | None]  # per window: [num_new, context_len] bool; None = causal
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [num_decodes] long, each request's single row in the flat batch
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with block 0
+    masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs about a batch; built once per step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot (block * block_size + offset)
+    decode: DecodeGroup | None
+    prefills: tuple[PrefillGroup, ...]
+    block_size: int
+
+    @classmethod
+    def build(
+        cls,
+        spans: Sequence[SeqSpan],
+        block_size: int,
+        device: torch.device,
+        windows: Iterable[int | None] = (None,),
+    ) -> AttentionMetadata:
+        """`windows`: the sliding windows of the layers that will use this metadata (masks are
+        built once here rather than once per layer)."""
+        windows = tuple(set(windows))
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[Sequence[int]] = []
+        decode_pos: list[int] = []
+        prefills: list[PrefillGroup] = []
+        row = 0
+        for span in spans:
+            end = span.start + span.num_new
+            needed = -(-end // block_size)
+            if len(span.block_table) < needed:
+                raise ValueError(f"block table has {len(span.block_table)} blocks, {end} tokens need {needed}")
+            for pos in range(span.start, end):
+                slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
+            if span.num_new == 1:
+                decode_rows.append(row)
+                decode_tables.append(span.block_table[:needed])
+                decode_pos.append(span.start)
+            else:
+                positions = torch.arange(span.start, end, device=device)
+                prefills.append(
+                    PrefillGroup(
+                        rows=slice(row, row + span.num_new),
+                        block_ids=torch.tensor(span.block_table[:needed], dtype=torch.long, device=device),
+                        context_len=end,
+                        # A fresh prompt without a window is plain causal: SDPA's is_causal is faster.
+                        masks={w: None if span.start == 0 and w is None else _mask(positions, end, w) for w in windows},
+                    )
+                )
+            row += span.num_new
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
+            q_pos = torch.tensor(decode_pos, dtype=torch.long, device=device)
+            decode = DecodeGroup(
+                rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+                masks={w: _mask(q_pos, width * block_size, w)[:, None, None, :] for w in windows},
+            )
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            decode=decode,
+            prefills=tuple(prefills),
+            block_size=block_size,
+        )
+
+
+def _mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[..., num_q, num_keys] bool, True where a query at q_pos may attend key position k."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    allowed = k_pos <= q_pos[..., None]
+    if window is not None:
+        allowed &= k_pos > q_pos[..., None] - window
+    return allowed
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+) -> None:
+    """Store this step's keys/values. caches: [num_blocks, block_size, kv_heads, head_dim];
+    k, v: [num_tokens, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, md.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, md.slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim].
+
+    The current step's keys/values must already be in the cache (see `write_kv`).
+    """
+    out = torch.empty_like(q)
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for group in md.prefills:
+        # keys: [1, kv_heads, context_len, head_dim]
+        keys = k_cache[group.block_ids].reshape(-1, kv_heads, head_dim)[: group.context_len]
+        values = v_cache[group.block_ids].reshape(-1, kv_heads, head_dim)[: group.context_len]
+        query = q[group.rows].transpose(0, 1).unsqueeze(0)
+        mask = group.masks[window]
+        o = F.scaled_dot_product_attention(
+            query,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,  # a fresh prompt: plain causal, top-left aligned
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[group.rows] = o.squeeze(0).transpose(0, 1)
+    if md.decode is not None:
+        d = md.decode
+        batch, width = d.block_tables.shape
+        # keys: [batch, kv_heads, width * block_size, head_dim]; padding is masked out below.
+        keys = k_cache[d.block_tables].reshape(batch, width * md.block_size, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[d.block_tables].reshape(batch, width * md.block_size, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[d.rows].unsqueeze(2), keys, values, attn_mask=d.masks[window], scale=scale, enable_gqa=True
+        )
+        out[d.rows] = o.squeeze(2)
+    return out

@@ -1,0 +1,166 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one pipeline stage: a contiguous slice of layers.
+
+Module names mirror the Hugging Face checkpoint names (`model.layers.7.self_attn.q_proj.weight`),
+with layers keyed by their global index, so a stage's `state_dict()` keys are exactly the tensors
+it must load. The math follows transformers' modeling files op for op (norms in float32, RoPE
+tables in float32), which is what makes logits match them closely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model_config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as transformers does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] (rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window
+        self.scale = cfg.head_dim**-0.5
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x: [num_tokens, hidden]; kv: [2, num_blocks, block_size, kv_heads, head_dim]
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv[0], kv[1], k, v, md)
+        out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, cfg.sliding_windows[layer_idx])
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """`model.*` in the checkpoint: the embedding (first stage), this stage's layers, the final norm (last)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+
+
+class StageModel(nn.Module):
+    """Layers `layers` of the model; the first stage embeds, the last computes logits."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_range = layers
+        self.first, self.last = first, last
+        self.model = Backbone(cfg, layers, first, last)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last else None
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.windows = {cfg.sliding_windows[i] for i in layers}
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """inputs: token ids [num_tokens] on the first stage, else hidden [num_tokens, hidden].
+        kv_cache: [num_stage_layers, 2, num_blocks, block_size, kv_heads, head_dim].
+        Returns hidden [num_tokens, hidden] (before the final norm on the last stage)."""
+        h = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        # RoPE tables in float32, then cast (as transformers does): [num_tokens, 1, head_dim]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for local, layer in enumerate(self.model.layers.values()):
+            h = layer(h, cos, sin, kv_cache[local], md)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] rows to sample from -> float32 logits [n, vocab]."""
+        assert self.lm_head is not None and self.model.norm is not None, "logits only on the last stage"
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -1,0 +1,190 @@
+"""The model's shape and math, read from a Hugging Face `config.json` and checked once.
+
+Anything in the config that would change the math and that we do not implement is an error here,
+at load time, rather than silently wrong output later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A checkpoint or engine setting we cannot serve correctly."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    # Per layer: None for full attention, else the window w (a query at p sees keys in (p - w, p]).
+    sliding_windows: tuple[int | None, ...]
+    dtype: str  # the checkpoint's own dtype name, e.g. "bfloat16"
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_dict(raw, gen)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch or '(none)'!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(raw.get(key), int) or raw[key] <= 0:
+                raise ConfigError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        if raw.get("quantization_config"):
+            raise ConfigError("config.json: quantized checkpoints (quantization_config) are not supported")
+        num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        rope = _parse_rope(raw, head_dim)
+        num_layers = raw["num_hidden_layers"]
+        bias = bool(raw.get("attention_bias", False))
+        # Which projections carry a bias differs per family (as in transformers' modeling files).
+        qkv_bias = {"LlamaForCausalLM": bias, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}.get(arch, bias)
+        o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_parse_sliding_windows(raw, arch, num_layers),
+            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            eos_token_ids=_parse_eos(raw, generation or {}),
+        )
+
+
+def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older files write `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"config.json: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ConfigError(f"config.json: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if head_dim % 2:
+        raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    factor = float(params.get("factor", 1.0))
+    if rope_type != "default" and not (math.isfinite(factor) and factor > 0):
+        raise ConfigError(f"config.json: rope factor must be positive, got {factor}")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ConfigError(f"config.json: llama3 rope scaling needs {key!r}")
+        if params["high_freq_factor"] <= params["low_freq_factor"]:
+            raise ConfigError("config.json: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        return RopeConfig(
+            theta=theta,
+            rope_type=rope_type,
+            factor=factor,
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    return RopeConfig(theta=theta, rope_type=rope_type, factor=factor if rope_type == "linear" else 1.0)
+
+
+def _parse_sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        # Mistral applies its window to every layer; Llama has none.
+        return (window if arch == "MistralForCausalLM" else None,) * num_layers
+    # Qwen: transformers 5 lists each layer's kind in layer_types (derived from use_sliding_window).
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if not raw.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first_sliding = int(raw.get("max_window_layers", num_layers))
+        layer_types = ["full_attention" if i < first_sliding else "sliding_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    windows: list[int | None] = []
+    for kind in layer_types:
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention" and isinstance(window, int) and window > 0:
+            windows.append(window)
+        else:
+            raise ConfigError(f"config.json: layer type {kind!r} (sliding_window={window!r}) is not supported")
+    return tuple(windows)
+
+
+def _parse_eos(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json is what generation uses; config.json is the fallback.
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

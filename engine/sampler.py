@@ -1,0 +1,127 @@
+"""Sampling on the last stage: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Order, per row: presence/frequency penalties (over the request's generated tokens), then greedy
+argmax or temperature -> top-k -> top-p (on the top-k-renormalised distribution) -> min-p -> draw.
+Logprobs are of the raw model distribution (before penalties and temperature).
+
+A seeded request owns a torch.Generator and draws its own noise row every step, so its output
+depends on its seed and its logits only, never on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_id: int
+    logprob: float | None = None  # of the chosen token, when logprobs were asked for
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+class _RequestState:
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device) -> None:
+        self.params = params
+        self.counts = (
+            torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            if params.presence_penalty or params.frequency_penalty
+            else None
+        )
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._requests: dict[str, _RequestState] = {}
+        self._shared_generator = torch.Generator(device=device)  # for requests without a seed
+        self._shared_generator.seed()
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self._requests[request_id] = _RequestState(params, self.vocab_size, self.device)
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def sample(self, request_ids: Sequence[str], logits: torch.Tensor) -> list[Sample]:
+        """logits: [len(request_ids), vocab] float32 (may be wider than vocab_size: padded vocab)."""
+        states = [self._requests[r] for r in request_ids]
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = [s.params.logprobs is not None for s in states]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        logits = apply_penalties(logits, states)
+        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        for i, state in enumerate(states):
+            if state.params.greedy:
+                continue
+            probs = filtered_probs(logits[i], state.params)
+            # Exponential race: argmax(p / E), E ~ Exp(1), draws from p exactly (Gumbel-max trick).
+            noise = torch.empty_like(probs).exponential_(generator=state.generator or self._shared_generator)
+            token_ids[i] = (probs / noise).argmax()
+
+        chosen = token_ids.tolist()
+        out: list[Sample] = []
+        for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
+            if state.counts is not None:
+                state.counts[token] += 1
+            if raw_logprobs is None or state.params.logprobs is None:
+                out.append(Sample(token))
+                continue
+            row = raw_logprobs[i]
+            top: tuple[tuple[int, float], ...] = ()
+            if state.params.logprobs > 0:
+                values, ids = row.topk(state.params.logprobs)
+                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+            out.append(Sample(token, float(row[token]), top))
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, states: Sequence[_RequestState]) -> torch.Tensor:
+    """logit -= frequency * count + presence * (count > 0), per row; counts of generated tokens."""
+    rows = [i for i, s in enumerate(states) if s.counts is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        state = states[i]
+        assert state.counts is not None
+        p = state.params
+        logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).float()
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] -> probabilities after temperature, top-k, top-p and min-p (renormalised)."""
+    logits = logits / params.temperature
+    if params.top_k or params.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if params.top_k:
+            drop[params.top_k :] = True
+        if params.top_p < 1.0:
+            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+            # Drop a token once the tokens before it already cover top_p (the first always stays).
+            before = sorted_probs.cumsum(-1) - sorted_probs
+            drop |= before >= params.top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

@@ -1,0 +1,72 @@
+"""One pipeline stage's compute: its model slice and KV cache, executing a micro-batch.
+
+This is the process-independent core of a stage: the local pipeline calls it in sequence in one
+process, and a stage process wraps it with transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.model import StageModel, rope_inv_freq
+from engine.weights import load_stage_weights
+from transport.messages import SeqChunk
+
+
+class StageRunner:
+    def __init__(self, config: EngineConfig, stage: int) -> None:
+        self.config = config
+        self.stage = stage
+        self.layers = config.layer_ranges[stage]
+        self.first = stage == 0
+        self.last = stage == config.pp_size - 1
+        self.device = torch.device(config.device)
+        mc = config.model_config
+        with torch.device("meta"):
+            model = StageModel(mc, self.layers, self.first, self.last)
+        load_stage_weights(model, config.model, config.torch_dtype, self.device)
+        model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
+        self.model = model.eval()
+        self.kv_cache = allocate_kv_cache(
+            mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, chunks: Sequence[SeqChunk], hidden: torch.Tensor | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run one micro-batch through this stage.
+
+        First stage: reads `chunks[i].token_ids`; other stages: `hidden` [num_tokens, hidden_size]
+        from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
+        or, on the last stage, float32 logits [num_sampled, vocab] for the chunks with `sample`, in order
+        (`all_logits`: [num_tokens, vocab], for prompt logprobs).
+        """
+        device = self.device
+        positions = torch.tensor(
+            [p for c in chunks for p in range(c.start, c.start + c.num_new)], dtype=torch.long, device=device
+        )
+        md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows)
+        if self.first:
+            inputs = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
+        else:
+            if hidden is None:
+                raise ValueError(f"stage {self.stage} needs hidden states from stage {self.stage - 1}")
+            inputs = hidden.to(device)
+        h = self.model(inputs, positions, self.kv_cache, md)
+        if not self.last:
+            return h
+        if all_logits:
+            return self.model.compute_logits(h)
+        # Only the last new token of each sampled chunk needs logits.
+        rows, end = [], 0
+        for c in chunks:
+            end += c.num_new
+            if c.sample:
+                rows.append(end - 1)
+        return self.model.compute_logits(h[torch.tensor(rows, dtype=torch.long, device=device)])

@@ -1,0 +1,76 @@
+"""Load a stage's tensors, and only those, from `model.safetensors` or a sharded index."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.model import StageModel
+from engine.model_config import ConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TIED_SOURCE = "model.embed_tokens.weight"
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> file name, for the single file or the sharded index."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return weight_map
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill `stage` (built on the meta device) with its tensors from the checkpoint.
+
+    A missing tensor or one of the wrong shape is an error naming it. With tied embeddings the
+    last stage reads `lm_head.weight` from the embedding (sharing the same tensor when the stage
+    also embeds).
+    """
+    model_dir = Path(model_dir)
+    where = checkpoint_files(model_dir)
+    tied = stage.cfg.tie_word_embeddings
+    wanted = {name: p for name, p in stage.named_parameters(remove_duplicate=False)}
+    # source tensor name -> our parameter names that take it
+    sources: dict[str, list[str]] = defaultdict(list)
+    for name in wanted:
+        src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in where else name
+        sources[src].append(name)
+    missing = sorted(src for src in sources if src not in where)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ConfigError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
+
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for src in sources:
+        by_file[where[src]].append(src)
+    loaded: dict[str, torch.Tensor] = {}
+    files = sorted(by_file)
+    for file in tqdm(files, desc="loading shards", disable=len(files) < 2, file=sys.stderr):
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+            for src in by_file[file]:
+                tensor = f.get_tensor(src)
+                for name in sources[src]:
+                    expected = tuple(wanted[name].shape)
+                    if tuple(tensor.shape) != expected:
+                        raise ConfigError(
+                            f"tensor {src} has shape {tuple(tensor.shape)}, expected {expected} for {name}"
+                        )
+                loaded[src] = tensor.to(device=device, dtype=dtype)
+    for src, names in sources.items():
+        for name in names:
+            module_name, _, attr = name.rpartition(".")
+            module = stage.get_submodule(module_name)
+            setattr(module, attr, torch.nn.Parameter(loaded[src], requires_grad=False))

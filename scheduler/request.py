@@ -1,0 +1,62 @@
+"""A request's progress: prompt and output tokens, how many are in the KV cache, when it stops.
+
+Progress is `num_computed_tokens` catching up with `num_tokens`; prefill and decode are not modes,
+just how far behind the computed count is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scheduler.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop token (stop strings are matched on text, by the engine)
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(self.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(self.prompt_token_ids)} tokens; the model's context length is "
+                f"{self.max_model_len}, which leaves no room to generate"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; returns (and records) why the request finished, if it did."""
+        self.output_token_ids.append(token_id)
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason

@@ -1,0 +1,1 @@
+"""Wire messages, the ZeroMQ control plane and the tensor channels between stages."""
