@@ -1,0 +1,89 @@
+"""Tokenizer glue: `tokenizer.json` (+ `tokenizer_config.json`, chat template) via transformers,
+and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.model_config import ConfigError
+
+# Tokens of context kept before the unread ones: enough for a tokenizer to decode a word's
+# leading space (SentencePiece) or finish a multi-token character (byte-level BPE) correctly.
+_CONTEXT_TOKENS = 6
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(model_dir)
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"no tokenizer.json in {model_dir}")
+        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos: int | None = self.hf.eos_token_id
+        return eos
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render `messages` with the model's chat template and tokenize the result."""
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use completions with a plain prompt")
+        text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+        # The template writes its own special tokens (BOS included), so don't add them twice.
+        return self.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas, never emitting half a UTF-8 character.
+
+    Each push decodes a short window (a few tokens of context + the unread ones) and emits the
+    text past the context, unless it ends in U+FFFD: then the last token is part of a character
+    that later tokens finish, and it waits.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0  # ids[prefix:read] is the already emitted context
+        self.read = len(self.ids)
+        self.text = ""  # everything emitted so far
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        context = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        full = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(full) <= len(context) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(context) :]
+        # Slide the window: keep the last few tokens as context for the next push.
+        self.prefix = max(self.read, len(self.ids) - _CONTEXT_TOKENS)
+        self.read = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: emit whatever is left, even an unfinished character (as U+FFFD)."""
+        context = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        full = self.tokenizer.decode(self.ids[self.prefix :])
+        delta = full[len(context) :]
+        self.prefix = self.read = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random checkpoints, made once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+
+# Two cores: keep torch from oversubscribing them when tests run stage work in one process.
+torch.set_num_threads(2)
+
+# One checkpoint per architecture, each exercising what is special about it.
+SPECS = {
+    "llama": TinySpec(arch="llama", seed=1, rope_scaling="llama3", tie_word_embeddings=True),
+    "mistral": TinySpec(arch="mistral", seed=2, sliding_window=24),  # prompts in tests exceed the window
+    "qwen2": TinySpec(arch="qwen2", seed=3, rope_scaling="linear"),  # q/k/v bias
+    "qwen3": TinySpec(arch="qwen3", seed=4, head_dim=24),  # q/k norm, head_dim != hidden / heads
+}
+ARCHS = list(SPECS)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny_checkpoint(root / name, spec) for name, spec in SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama spec again, written as several shards with an index."""
+    spec = TinySpec(**{**SPECS["llama"].__dict__, "max_shard_size": "200KB"})
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sharded"), spec)

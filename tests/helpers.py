@@ -1,0 +1,42 @@
+"""Small helpers shared by tests (not fixtures)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.local_pipeline import LocalPipeline
+from transport.messages import SeqChunk
+
+GREEDY_TOKENS = 32
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
+    return [rng.randrange(6, vocab) for _ in range(length)]  # skip the special tokens
+
+
+def pipeline(model_dir: Path, pp_size: int = 1, **kwargs: object) -> LocalPipeline:
+    kwargs.setdefault("num_kv_blocks", 256)
+    return LocalPipeline(EngineConfig.create(model_dir, pp_size=pp_size, **kwargs))  # type: ignore[arg-type]
+
+
+def prompt_logits(pipe: LocalPipeline, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, [len(prompt), vocab], in one prefill."""
+    blocks = pipe.allocator.allocate(pipe.allocator.blocks_for(len(prompt)))
+    try:
+        return pipe.forward([SeqChunk("p", prompt, 0, blocks, True)], all_logits=True)
+    finally:
+        pipe.allocator.free(blocks)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with transformers, recomputing the whole sequence each step (no cache,
+    no generation config): the plainest possible reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]

@@ -1,0 +1,81 @@
+"""`ppserve generate` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import pipeline
+
+from engine.tokenizer import Tokenizer
+from scheduler.sampling_params import SamplingParams
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_generate_json_matches_engine(llama_dir: Path) -> None:
+    prompt = "The pipeline stage"
+    res = run_cli(
+        "generate", "--model", str(llama_dir), "--pp-size", "2", "--prompt", prompt,
+        "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--json", "--logprobs", "2",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    tok = Tokenizer(llama_dir)
+    expected = pipeline(llama_dir).generate(
+        [tok.encode(prompt)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0]
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == tok.decode(expected.token_ids)
+    assert out["finish_reason"] == "length"
+    assert len(out["logprobs"]) == 12 and len(out["logprobs"][0]["top_logprobs"]) == 2
+
+
+def test_generate_input_ids_seeded_is_reproducible(llama_dir: Path) -> None:
+    args = ["generate", "--model", str(llama_dir), "--input-ids", "5,6,7,8", "--max-tokens", "10"]
+    args += ["--seed", "3", "--top-p", "0.9", "--ignore-eos", "--json", "--layer-partition", "1,3", "--pp-size", "2"]
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+    assert json.loads(first.stdout)["prompt_token_ids"] == [5, 6, 7, 8]
+
+
+def test_plain_output_is_the_text(llama_dir: Path) -> None:
+    res = run_cli("generate", "--model", str(llama_dir), "--prompt", "hello", "--chat", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", "x", "--pp-size", "5"], "pp_size 5 is larger than the model's 4 layers"),
+        (["--prompt", "x", "--pp-size", "2", "--layer-partition", "1,2"], "sums to 3"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--prompt", "x", "--dtype", "int4"], "dtype must be auto"),
+        (["--input-ids", "1,x"], "expected comma-separated token ids"),
+        (["--input-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
+        (["--prompt", "x", "--input-ids", "1"], "not allowed with argument"),
+        (["--prompt", ""], "the prompt is empty"),
+        (["--prompt", "x", "--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1"),
+        (["--prompt", "x", "--top-k", "many"], "invalid int value"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message: str) -> None:
+    res = run_cli("generate", "--model", str(llama_dir), *args)
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_missing_model_dir(tmp_path: Path) -> None:
+    res = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert res.returncode == 2 and "no config.json in" in res.stderr
