@@ -151,8 +151,8 @@ def paged_attention(
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for group in md.prefills:
         # keys: [1, kv_heads, context_len, head_dim]
-        keys = k_cache[group.block_ids].reshape(-1, kv_heads, head_dim)[: group.context_len]
-        values = v_cache[group.block_ids].reshape(-1, kv_heads, head_dim)[: group.context_len]
+        keys = k_cache.index_select(0, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
+        values = v_cache.index_select(0, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
         query = q[group.rows].transpose(0, 1).unsqueeze(0)
         mask = group.masks[window]
         o = F.scaled_dot_product_attention(
@@ -169,8 +169,10 @@ def paged_attention(
         d = md.decode
         batch, width = d.block_tables.shape
         # keys: [batch, kv_heads, width * block_size, head_dim]; padding is masked out below.
-        keys = k_cache[d.block_tables].reshape(batch, width * md.block_size, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[d.block_tables].reshape(batch, width * md.block_size, kv_heads, head_dim).transpose(1, 2)
+        # (index_select on the flat table is several times faster than advanced indexing.)
+        flat = d.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[d.rows].unsqueeze(2), keys, values, attn_mask=d.masks[window], scale=scale, enable_gqa=True
         )

@@ -8,6 +8,7 @@ and then decoding one token per step.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class LocalPipeline:
         self.runners = [StageRunner(config, i) for i in range(config.pp_size)]
         self.sampler = Sampler(config.model_config.vocab_size, torch.device(config.device))
         self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size)
+        self._ids = itertools.count()
 
     def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
         """One micro-batch through every stage in turn; returns the last stage's logits."""
@@ -50,41 +52,51 @@ class LocalPipeline:
         params: SamplingParams | Sequence[SamplingParams],
         chunk_size: int = 512,
     ) -> list[Generation]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        mc = self.config.model_config
-        requests = [
-            Request(str(i), list(p), sp, mc.eos_token_ids, self.config.max_model_len)
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
+        requests = self.add_requests(prompts, params)
         samples: dict[str, list[Sample]] = {r.request_id: [] for r in requests}
-        for r in requests:
-            self.sampler.add_request(r.request_id, r.params)
         try:
-            running = list(requests)
-            while running:
-                chunks = [self._next_chunk(r, chunk_size) for r in running]
-                logits = self.forward(chunks)
-                sampled = [r for r, c in zip(running, chunks, strict=True) if c.sample]
-                for r, c in zip(running, chunks, strict=True):
-                    r.num_computed_tokens += c.num_new
-                for r, s in zip(sampled, self.sampler.sample([r.request_id for r in sampled], logits), strict=True):
+            while any(not r.finished for r in requests):
+                for r, s in self.step(requests, chunk_size):
                     samples[r.request_id].append(s)
-                    r.append_token(s.token_id)
-                for r in [r for r in running if r.finished]:
-                    self._release(r)
-                running = [r for r in running if not r.finished]
         finally:
             for r in requests:
-                self._release(r)
+                self.release(r)
         return [
             Generation(r.output_token_ids, r.finish_reason or FinishReason.ABORT, samples[r.request_id])
             for r in requests
         ]
+
+    def add_requests(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Request]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        eos, max_len = self.config.model_config.eos_token_ids, self.config.max_model_len
+        requests = [
+            Request(str(next(self._ids)), list(p), sp, eos, max_len) for p, sp in zip(prompts, params, strict=True)
+        ]
+        for r in requests:
+            self.sampler.add_request(r.request_id, r.params)
+        return requests
+
+    def step(self, requests: Sequence[Request], chunk_size: int) -> list[tuple[Request, Sample]]:
+        """One micro-batch with every unfinished request: a prefill chunk of at most `chunk_size`
+        tokens, or one decode token. Returns what was sampled; finished requests are released."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        running = [r for r in requests if not r.finished]
+        chunks = [self._next_chunk(r, chunk_size) for r in running]
+        logits = self.forward(chunks)
+        for r, c in zip(running, chunks, strict=True):
+            r.num_computed_tokens += c.num_new
+        sampled = [r for r, c in zip(running, chunks, strict=True) if c.sample]
+        out = list(zip(sampled, self.sampler.sample([r.request_id for r in sampled], logits), strict=True))
+        for r, s in out:
+            if r.append_token(s.token_id):
+                self.release(r)
+        return out
 
     def _next_chunk(self, r: Request, chunk_size: int) -> SeqChunk:
         """The tokens `r` has not computed yet, at most chunk_size; sample once the prompt is done."""
@@ -93,7 +105,8 @@ class LocalPipeline:
         self.allocator.grow(r.block_table, end)
         return SeqChunk(r.request_id, tokens, r.num_computed_tokens, list(r.block_table), end == r.num_tokens)
 
-    def _release(self, r: Request) -> None:
+    def release(self, r: Request) -> None:
+        """Give back the request's KV blocks and sampler state (idempotent)."""
         self.allocator.free(r.block_table)
         r.block_table.clear()
         self.sampler.remove_request(r.request_id)

@@ -55,16 +55,39 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def hf_decode(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> None:
-    """transformers at its leanest: one forward for the prompt, then one per token, greedy, with its KV cache."""
+def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> list[float]:
+    """transformers at its leanest: one forward for the prompts, then one per token, greedy, with
+    its own KV cache. Returns the time of each decode step (argmax included)."""
+    times = []
     with torch.inference_mode():
         out = model(prompts, use_cache=True)
-        past = out.past_key_values
+        cache = out.cache
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(new_tokens - 1):
-            out = model(token, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            start = time.perf_counter()
+            out = model(token, cache=cache, use_cache=True)
+            cache = out.cache
             token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def ppserve_decode_steps(pipe: LocalPipeline, prompts: torch.Tensor, new_tokens: int) -> list[float]:
+    """The same with this engine: one step prefills every prompt, then one decode step per token
+    (forward, sampling and KV-block bookkeeping included)."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
+    requests = pipe.add_requests(prompts.tolist(), params)
+    times = []
+    try:
+        pipe.step(requests, chunk_size=prompts.shape[1])
+        while not all(r.finished for r in requests):
+            start = time.perf_counter()
+            pipe.step(requests, chunk_size=1)
+            times.append(time.perf_counter() - start)
+    finally:
+        for r in requests:
+            pipe.release(r)
+    return times
 
 
 def main() -> None:
@@ -86,7 +109,6 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(10, SPEC.vocab_size, (1, PROMPT_LEN), generator=gen)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    full = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=DECODE_TOKENS)
     results: dict[str, dict[str, float]] = {}
 
     # Prefill: the whole prompt in one chunk, first token sampled.
@@ -95,16 +117,20 @@ def main() -> None:
         theirs = median_time(lambda: hf(long_prompt, use_cache=True), args.reps)
     results["prefill_1x512"] = {"ppserve_s": ours, "transformers_s": theirs, "ratio": theirs / ours}
 
-    # Decode: time for DECODE_TOKENS tokens minus time for one (which is the prefill).
+    # Decode: median time of one decode step over all steps of all repetitions, both engines
+    # interleaved so that drift in the machine's speed hits both alike.
     for batch in (1, 16):
         prompts = torch.randint(10, SPEC.vocab_size, (batch, DECODE_PROMPT_LEN), generator=gen)
-        ours_full = median_time(lambda p=prompts: pipe.generate(p.tolist(), full), args.reps)
-        ours_first = median_time(lambda p=prompts: pipe.generate(p.tolist(), greedy), args.reps)
-        theirs_full = median_time(lambda p=prompts: hf_decode(hf, p, DECODE_TOKENS), args.reps)
-        theirs_first = median_time(lambda p=prompts: hf_decode(hf, p, 1), args.reps)
-        steps = DECODE_TOKENS - 1
-        ours_tps = batch * steps / (ours_full - ours_first)
-        theirs_tps = batch * steps / (theirs_full - theirs_first)
+        ours_steps: list[float] = []
+        theirs_steps: list[float] = []
+        for rep in range(args.reps + 1):
+            ours_rep = ppserve_decode_steps(pipe, prompts, DECODE_TOKENS)
+            theirs_rep = hf_decode_steps(hf, prompts, DECODE_TOKENS)
+            if rep:  # the first repetition is warm-up
+                ours_steps += ours_rep
+                theirs_steps += theirs_rep
+        ours_tps = batch / statistics.median(ours_steps)
+        theirs_tps = batch / statistics.median(theirs_steps)
         results[f"decode_batch{batch}"] = {
             "ppserve_tokens_per_s": ours_tps,
             "transformers_tokens_per_s": theirs_tps,
