@@ -167,8 +167,8 @@ def paged_attention(
         out[group.rows] = o.squeeze(0).transpose(0, 1)
     if md.decode is not None:
         d = md.decode
-        batch, width = d.block_tables.shape
-        # keys: [batch, kv_heads, width * block_size, head_dim]; padding is masked out below.
+        batch = d.block_tables.shape[0]
+        # keys: [batch, kv_heads, max_blocks * block_size, head_dim]; padding is masked out below.
         # (index_select on the flat table is several times faster than advanced indexing.)
         flat = d.block_tables.view(-1)
         keys = k_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)

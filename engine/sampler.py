@@ -53,9 +53,6 @@ class Sampler:
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def sample(self, request_ids: Sequence[str], logits: torch.Tensor) -> list[Sample]:
         """logits: [len(request_ids), vocab] float32 (may be wider than vocab_size: padded vocab)."""
         states = [self._requests[r] for r in request_ids]

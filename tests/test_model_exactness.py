@@ -16,7 +16,7 @@ from scheduler.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
 
 # (device, dtype, logit tolerance relative to the logit scale). CUDA cases join when a GPU is present.
-PRECISIONS = [("cpu", "float32", 1e-4)]
+PRECISIONS = [("cpu", "float32", 1e-4), ("cpu", "bfloat16", 2e-2), ("cpu", "float16", 2e-2)]
 if torch.cuda.is_available():
     PRECISIONS += [("cuda", "float32", 1e-3), ("cuda", "bfloat16", 5e-2)]
 
