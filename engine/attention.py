@@ -45,7 +45,9 @@ class PrefillGroup:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    rows: torch.Tensor  # [num_decodes] long, each request's single row in the flat batch
+    # Each request's single row in the flat batch: a slice when they are contiguous (an all-decode
+    # batch, or decodes planned first), which saves a gather and a scatter per layer.
+    rows: slice | torch.Tensor
     block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with block 0
     masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_blocks * block_size] bool
 
@@ -105,7 +107,7 @@ class AttentionMetadata:
             padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
             q_pos = torch.tensor(decode_pos, dtype=torch.long, device=device)
             decode = DecodeGroup(
-                rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+                rows=_rows(decode_rows, device),
                 block_tables=torch.tensor(padded, dtype=torch.long, device=device),
                 masks={w: _mask(q_pos, width * block_size, w)[:, None, None, :] for w in windows},
             )
@@ -115,6 +117,12 @@ class AttentionMetadata:
             prefills=tuple(prefills),
             block_size=block_size,
         )
+
+
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _mask(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

@@ -50,10 +50,16 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] (rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim].
+
+    transformers' x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1): the sign is
+    folded into `signed_sin` (first half negated) once per step, so per layer the rotation is one
+    flip of the two halves. Negation is exact, so the result is bit-identical.
+    """
+    n, heads, dim = x.shape
+    swapped = x.view(n, heads, 2, dim // 2).flip(2).view(n, heads, dim)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -156,6 +162,7 @@ class StageModel(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        sin[..., : sin.shape[-1] // 2].neg_()  # signed for apply_rope
         for local, layer in enumerate(self.model.layers.values()):
             h = layer(h, cos, sin, kv_cache[local], md)
         return h

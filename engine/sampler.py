@@ -61,10 +61,13 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = apply_penalties(logits, states)
-        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
-        if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if len(greedy) == len(states):  # the common all-greedy batch: no row gather
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
+            if greedy:
+                token_ids[greedy] = logits[greedy].argmax(dim=-1)
         for i, state in enumerate(states):
             if state.params.greedy:
                 continue

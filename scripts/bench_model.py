@@ -16,7 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,10 +55,9 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> list[float]:
+def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[float]:
     """transformers at its leanest: one forward for the prompts, then one per token, greedy, with
-    its own KV cache. Returns the time of each decode step (argmax included)."""
-    times = []
+    its own KV cache. Yields the time of each decode step (argmax included)."""
     with torch.inference_mode():
         out = model(prompts, use_cache=True)
         cache = out.cache
@@ -68,26 +67,49 @@ def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
             out = model(token, cache=cache, use_cache=True)
             cache = out.cache
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            times.append(time.perf_counter() - start)
-    return times
+            yield time.perf_counter() - start
 
 
-def ppserve_decode_steps(pipe: LocalPipeline, prompts: torch.Tensor, new_tokens: int) -> list[float]:
+def ppserve_decode_steps(pipe: LocalPipeline, prompts: torch.Tensor, new_tokens: int) -> Iterator[float]:
     """The same with this engine: one step prefills every prompt, then one decode step per token
     (forward, sampling and KV-block bookkeeping included)."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
     requests = pipe.add_requests(prompts.tolist(), params)
-    times = []
     try:
         pipe.step(requests, chunk_size=prompts.shape[1])
         while not all(r.finished for r in requests):
             start = time.perf_counter()
             pipe.step(requests, chunk_size=1)
-            times.append(time.perf_counter() - start)
+            yield time.perf_counter() - start
     finally:
         for r in requests:
             pipe.release(r)
-    return times
+
+
+def decode_time_split(pipe: LocalPipeline, prompts: torch.Tensor) -> dict[str, float]:
+    """Where a decode step's time goes, as fractions of profiled CPU time, by op family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    families = {
+        "matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
+        "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+        "kv_cache_gather_and_write": ("aten::index_select", "aten::index_copy_"),
+    }
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=9)
+    requests = pipe.add_requests(prompts.tolist(), params)
+    try:
+        pipe.step(requests, chunk_size=prompts.shape[1])  # prefill, not profiled
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            while not all(r.finished for r in requests):
+                pipe.step(requests, chunk_size=1)
+    finally:
+        for r in requests:
+            pipe.release(r)
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(self_us.values())
+    split = {name: sum(self_us.get(op, 0.0) for op in ops) / total for name, ops in families.items()}
+    split["other"] = 1.0 - sum(split.values())
+    return split
 
 
 def main() -> None:
@@ -114,21 +136,26 @@ def main() -> None:
     # Prefill: the whole prompt in one chunk, first token sampled.
     ours = median_time(lambda: pipe.generate(long_prompt.tolist(), greedy, chunk_size=PROMPT_LEN), args.reps)
     with torch.inference_mode():
-        theirs = median_time(lambda: hf(long_prompt, use_cache=True), args.reps)
+        # logits_to_keep=1: transformers too computes logits for the last position only.
+        theirs = median_time(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1), args.reps)
     results["prefill_1x512"] = {"ppserve_s": ours, "transformers_s": theirs, "ratio": theirs / ours}
 
-    # Decode: median time of one decode step over all steps of all repetitions, both engines
-    # interleaved so that drift in the machine's speed hits both alike.
+    # Decode: the two engines take turns step by step (same batch, same context length at each
+    # step), so drift in the machine's speed hits both alike; medians over all steps.
     for batch in (1, 16):
         prompts = torch.randint(10, SPEC.vocab_size, (batch, DECODE_PROMPT_LEN), generator=gen)
         ours_steps: list[float] = []
         theirs_steps: list[float] = []
         for rep in range(args.reps + 1):
-            ours_rep = ppserve_decode_steps(pipe, prompts, DECODE_TOKENS)
-            theirs_rep = hf_decode_steps(hf, prompts, DECODE_TOKENS)
-            if rep:  # the first repetition is warm-up
-                ours_steps += ours_rep
-                theirs_steps += theirs_rep
+            paired = zip(
+                ppserve_decode_steps(pipe, prompts, DECODE_TOKENS),
+                hf_decode_steps(hf, prompts, DECODE_TOKENS),
+                strict=True,
+            )
+            for ours_t, theirs_t in paired:
+                if rep:  # the first repetition is warm-up
+                    ours_steps.append(ours_t)
+                    theirs_steps.append(theirs_t)
         ours_tps = batch / statistics.median(ours_steps)
         theirs_tps = batch / statistics.median(theirs_steps)
         results[f"decode_batch{batch}"] = {
@@ -136,6 +163,7 @@ def main() -> None:
             "transformers_tokens_per_s": theirs_tps,
             "ratio": ours_tps / theirs_tps,
         }
+    time_split = decode_time_split(pipe, prompts)
 
     report = {
         "benchmark": "model",
@@ -147,12 +175,14 @@ def main() -> None:
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
         "torch": torch.__version__,
         "results": results,
+        "ppserve_decode_batch16_time_split": time_split,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{num_params / 1e6:.1f}M params, {args.threads} threads (ratio > 1: ppserve faster)")
     for name, r in results.items():
         print(f"  {name:16s} " + "  ".join(f"{k}={v:.4g}" for k, v in r.items()))
+    print("  ppserve decode (batch 16) time split: " + ", ".join(f"{k} {v:.0%}" for k, v in time_split.items()))
     print(f"wrote {args.out}")
 
 
