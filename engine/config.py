@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from engine.kv_cache import kv_bytes_per_block
 from engine.model_config import ConfigError, ModelConfig
 from engine.partition import partition_layers
+from transport.tensor_channel import resolve_kind
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -26,6 +28,14 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int  # per stage; every stage holds the same block ids for its own layers
     max_model_len: int
+    # Runtime (pipeline) settings.
+    tensor_transport: str = "shm"  # resolved: shm | gloo | nccl | zmq
+    max_running_requests: int = 256
+    max_batched_tokens: int = 2048  # new tokens per micro-batch
+    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch
+    async_depth: int = 1  # plans in flight beyond one per stage
+    threads_per_stage: int = 1
+    stage_start_timeout_s: float = 120.0
 
     @classmethod
     def create(
@@ -40,6 +50,13 @@ class EngineConfig:
         kv_cache_gb: float = 1.0,
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
+        tensor_transport: str = "auto",
+        max_running_requests: int = 256,
+        max_batched_tokens: int | None = None,
+        chunked_prefill_size: int = 512,
+        async_depth: int = 1,
+        threads_per_stage: int | None = None,
+        stage_start_timeout_s: float = 120.0,
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -67,6 +84,30 @@ class EngineConfig:
             num_kv_blocks = int(kv_cache_gb * 2**30) // per_block
         if num_kv_blocks < 1:
             raise ConfigError(f"the KV cache must hold at least one block, got {num_kv_blocks}")
+        # A single request must always fit: it can then finish after preempting all others.
+        max_model_len = min(max_model_len, num_kv_blocks * block_size)
+        for name, value in (
+            ("max_running_requests", max_running_requests),
+            ("chunked_prefill_size", chunked_prefill_size),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if max_batched_tokens is None:
+            max_batched_tokens = max(2048, chunked_prefill_size)
+        if max_batched_tokens < chunked_prefill_size:
+            raise ConfigError(
+                f"max_batched_tokens ({max_batched_tokens}) must be >= chunked_prefill_size ({chunked_prefill_size})"
+            )
+        if async_depth < 0:
+            raise ConfigError(f"async_depth must be >= 0, got {async_depth}")
+        if threads_per_stage is None:
+            threads_per_stage = max(1, (os.cpu_count() or 1) // pp_size)
+        if threads_per_stage < 1:
+            raise ConfigError(f"threads_per_stage must be >= 1, got {threads_per_stage}")
+        try:
+            transport = resolve_kind(tensor_transport, device, same_host=True)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return cls(
             model=str(model),
             model_config=model_config,
@@ -77,6 +118,13 @@ class EngineConfig:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,
+            tensor_transport=transport,
+            max_running_requests=max_running_requests,
+            max_batched_tokens=max_batched_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            async_depth=async_depth,
+            threads_per_stage=threads_per_stage,
+            stage_start_timeout_s=stage_start_timeout_s,
         )
 
     @property

@@ -12,10 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from scheduler.sampling_params import SamplingParams
+
+class SamplerParams(Protocol):
+    """What sampling reads: satisfied by SamplingParams and by its wire form."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def logprobs(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +46,7 @@ class Sample:
 
 
 class _RequestState:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, params: SamplerParams, vocab_size: int, device: torch.device) -> None:
         self.params = params
         self.counts = (
             torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -34,7 +54,7 @@ class _RequestState:
             else None
         )
         self.generator: torch.Generator | None = None
-        if params.seed is not None and not params.greedy:
+        if params.seed is not None and params.temperature != 0:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
 
@@ -47,7 +67,7 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, params: SamplerParams) -> None:
         self._requests[request_id] = _RequestState(params, self.vocab_size, self.device)
 
     def remove_request(self, request_id: str) -> None:
@@ -61,7 +81,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = apply_penalties(logits, states)
-        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        greedy = [i for i, s in enumerate(states) if s.params.temperature == 0]
         if len(greedy) == len(states):  # the common all-greedy batch: no row gather
             token_ids = logits.argmax(dim=-1)
         else:
@@ -69,7 +89,7 @@ class Sampler:
             if greedy:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
         for i, state in enumerate(states):
-            if state.params.greedy:
+            if state.params.temperature == 0:
                 continue
             probs = filtered_probs(logits[i], state.params)
             # Exponential race: argmax(p / E), E ~ Exp(1), draws from p exactly (Gumbel-max trick).
@@ -107,7 +127,7 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[_RequestState]) -> to
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: SamplerParams) -> torch.Tensor:
     """logits: [vocab] -> probabilities after temperature, top-k, top-p and min-p (renormalised)."""
     logits = logits / params.temperature
     if params.top_k or params.top_p < 1.0:

@@ -26,9 +26,15 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # in the KV cache on every stage
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # Pipeline bookkeeping (scheduler only): tokens computed or in flight, plans in flight that
+    # carry this request, whether one of them will sample, whether the last stage knows it.
+    num_scheduled_tokens: int = 0
+    inflight_plans: int = 0
+    awaiting_sample: bool = False
+    announced: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from transport.messages import WireSamplingParams
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -20,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None = off; N = chosen token plus the top N (N <= 20)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, matched on the host's text
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -46,10 +49,25 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def wire(self) -> WireSamplingParams:
+        """What the last stage needs to sample (stopping is decided on the host)."""
+        return WireSamplingParams(
+            temperature=float(self.temperature),
+            top_k=self.top_k,
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            seed=self.seed,
+            logprobs=self.logprobs,
+        )
 
 
 def _finite(value: object) -> bool:

@@ -1,11 +1,21 @@
-"""Wire messages (msgspec). Everything that crosses a process boundary is defined here."""
+"""Wire messages (msgspec). Everything that crosses a process boundary is defined here.
+
+Each message is a tagged Struct, so one decoder reads any of them; `PROTOCOL_VERSION` is checked
+in the handshake so that mismatched processes fail at start-up, not mid-run.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
+PROTOCOL_VERSION = 1
 
-class SeqChunk(msgspec.Struct, frozen=True):
+
+class Msg(msgspec.Struct, tag=True, frozen=True):
+    """Base of every control-plane message (the class name is the type tag)."""
+
+
+class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     """One request's part of a micro-batch: `token_ids` are new tokens at positions
     [start, start + len(token_ids)); `block_table` holds the KV blocks for all of them."""
 
@@ -18,3 +28,101 @@ class SeqChunk(msgspec.Struct, frozen=True):
     @property
     def num_new(self) -> int:
         return len(self.token_ids)
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
+    """SamplingParams as the last stage needs them (sent once per request)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    logprobs: int | None
+
+
+class NewRequest(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    params: WireSamplingParams
+
+
+class StepPlan(Msg, frozen=True):
+    """One micro-batch, sent to every stage; stages execute plans strictly in order."""
+
+    mb_id: int
+    chunks: list[SeqChunk]
+    new_requests: list[NewRequest] = []  # sampling state to create on the last stage
+    released: list[str] = []  # requests whose sampling state the last stage can drop
+
+
+class Timing(msgspec.Struct, frozen=True, array_like=True):
+    stage: int
+    start: float  # time.time() on that stage's host, seconds
+    end: float
+
+
+class Sampled(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = []
+
+
+class StepResult(Msg, frozen=True):
+    """From the last stage: what each sampling chunk produced, and every stage's compute time."""
+
+    mb_id: int
+    samples: list[Sampled]
+    timings: list[Timing]
+
+
+class StageReady(Msg, frozen=True):
+    stage: int
+    protocol: int
+    num_kv_blocks: int
+    pid: int
+
+
+class StageFailed(Msg, frozen=True):
+    """A stage could not start or hit an error while running; it exits after sending this."""
+
+    stage: int
+    error: str
+
+
+class Heartbeat(Msg, frozen=True):
+    stage: int
+
+
+class Shutdown(Msg, frozen=True):
+    pass
+
+
+class EdgeHeader(msgspec.Struct, frozen=True, array_like=True):
+    """Sent stage i -> i+1 with each micro-batch's activations (the tensor itself travels by the
+    tensor channel): the micro-batch id for an order check, upstream timings, and for the shm
+    channel the ring slot that holds the tensor."""
+
+    mb_id: int
+    timings: list[Timing]
+    slot: int = -1
+
+
+ControlMsg = StepPlan | StepResult | StageReady | StageFailed | Heartbeat | Shutdown
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ControlMsg)
+_header_decoder = msgspec.msgpack.Decoder(EdgeHeader)
+
+
+def encode(msg: Msg | EdgeHeader) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> ControlMsg:
+    return _decoder.decode(data)
+
+
+def decode_header(data: bytes | memoryview) -> EdgeHeader:
+    return _header_decoder.decode(data)

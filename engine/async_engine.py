@@ -1,0 +1,242 @@
+"""AsyncEngine: the public in-process API. Owns the tokenizer, the scheduler, the pipeline
+driver and the stage processes.
+
+    async with AsyncEngine(config) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            print(out.text, end="")
+
+Leaving the iterator early (break, or cancelling the task that reads it) aborts the request
+and frees its KV blocks. A stage that dies fails every request with an error naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.stage_pool import StageError, StagePool
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.driver import PipelineDriver
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from transport.messages import Sampled, StepResult
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve: a stage died, or the engine was closed."""
+
+
+@dataclass
+class _Stream:
+    request: Request
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    text: str = ""  # all text so far (stop strings are matched here)
+    emitted: int = 0  # characters of `text` already yielded
+    sent_tokens: int = 0
+    pending: list[Sampled] = field(default_factory=list)  # tokens not yet yielded
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=config.num_kv_blocks,
+                block_size=config.block_size,
+                pp_size=config.pp_size,
+                async_depth=config.async_depth,
+                max_running_requests=config.max_running_requests,
+                max_batched_tokens=config.max_batched_tokens,
+                chunked_prefill_size=config.chunked_prefill_size,
+            )
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._pool: StagePool | None = None
+        self._driver: PipelineDriver | None = None
+        self._driver_task: asyncio.Task[None] | None = None
+        self.error: Exception | None = None
+        self.timings: list[StepResult] = []  # recent results, for the timeline and tests
+        self._closed = False
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    async def start(self) -> AsyncEngine:
+        pool = StagePool(self.config, self._on_result, self._on_failure)
+        self._pool = pool
+        atexit.register(_kill_at_exit, pool)
+        try:
+            await pool.start()
+        except BaseException:
+            await self.close()
+            raise
+        driver = PipelineDriver(self.scheduler, pool.send_plan, self._on_outputs)
+        self._driver = driver
+        self._driver_task = asyncio.create_task(driver.run())
+        _sigterm_as_sigint()
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._driver_task is not None:
+            self._driver_task.cancel()
+        if self.error is None:
+            self.error = EngineDeadError("the engine is shut down")
+        self._fail_streams(self.error)
+        if self._pool is not None:
+            await self._pool.close()
+            atexit.unregister(_kill_at_exit)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self._driver_task is not None and self.error is None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if a
+        stage has died (also mid-stream)."""
+        if not self.healthy:
+            raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.config.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        mc = self.config.model_config
+        request = Request(rid, ids, params, mc.eos_token_ids, self.config.max_model_len)
+        stream = _Stream(request, self.tokenizer.detokenizer(ids))
+        self.scheduler.add(request)
+        self._streams[rid] = stream
+        assert self._driver is not None
+        self._driver.wake()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Closed early or cancelled: end the request and give its KV blocks back.
+            self._streams.pop(rid, None)
+            if not request.finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None and self._driver is not None:
+            self._driver.wake()
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(self._output(stream, "", [], []))
+
+    # ---- results --------------------------------------------------------------------------
+
+    def _on_result(self, result: StepResult) -> None:
+        self.timings.append(result)
+        del self.timings[:-1024]
+        if self._driver is not None:
+            self._driver.on_result(result)
+
+    def _on_outputs(self, outputs: list[tuple[Request, Sampled]], result: StepResult) -> None:
+        for request, sample in outputs:
+            stream = self._streams.get(request.request_id)
+            if stream is not None:
+                self._emit(stream, sample)
+
+    def _emit(self, stream: _Stream, sample: Sampled) -> None:
+        r, params = stream.request, stream.request.params
+        stream.text += stream.detok.push([sample.token_id])
+        if r.finished:
+            stream.text += stream.detok.flush()
+        stream.pending.append(sample)
+        end = len(stream.text)
+        if params.stop:
+            # Stop strings: cut the text at the first match; until the request ends, hold back
+            # a tail that could still grow into one.
+            search_from = max(0, stream.emitted - max(len(s) for s in params.stop) + 1)
+            hits = [i for s in params.stop if (i := stream.text.find(s, search_from)) >= 0]
+            if hits:
+                end = min(hits)
+                self.scheduler.abort(r.request_id, FinishReason.STOP)
+            elif not r.finished:
+                end = max(stream.emitted, end - max(len(s) for s in params.stop) + 1)
+        text = stream.text[stream.emitted : end]
+        stream.emitted = end
+        if not text and not r.finished and params.stop:
+            return  # all held back; the tokens go out with the next output
+        samples, stream.pending = stream.pending, []
+        stream.queue.put_nowait(self._output(stream, text, [s.token_id for s in samples], samples))
+
+    def _output(self, stream: _Stream, text: str, token_ids: list[int], samples: list[Sampled]) -> RequestOutput:
+        r = stream.request
+        logprobs = None
+        if r.params.logprobs is not None:
+            logprobs = [
+                TokenLogprob(s.token_id, s.logprob or 0.0, tuple((t, lp) for t, lp in s.top_logprobs)) for s in samples
+            ]
+        stream.sent_tokens += len(token_ids)
+        return RequestOutput(
+            request_id=r.request_id,
+            text=text,
+            token_ids=token_ids,
+            finished=r.finished,
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            prompt_tokens=len(r.prompt_token_ids),
+            completion_tokens=stream.sent_tokens,
+            logprobs=logprobs,
+        )
+
+    def _on_failure(self, error: StageError) -> None:
+        self.error = error
+        self.scheduler.fail_all()
+        self._fail_streams(error)
+
+    def _fail_streams(self, error: Exception) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+
+
+def _sigterm_as_sigint() -> None:
+    """Treat SIGTERM like Ctrl-C (so `async with` cleans up), unless the application set its own."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+
+
+def _kill_at_exit(pool: StagePool) -> None:
+    """Last resort if the interpreter exits without close(): no orphans, no socket files."""
+    for proc in pool.procs:
+        if proc.is_alive():
+            proc.kill()
+    pool.addresses.cleanup()

@@ -1,0 +1,230 @@
+"""A pipeline stage as its own process: the StageRunner core wrapped with transport.
+
+Three tasks connected by small queues keep communication off the critical path:
+
+    receive (plan k+1 and its input) -> compute (plan k, in a worker thread) -> send (plan k-1)
+
+Plans execute strictly in the order received; that order is what makes chunked prefill safe
+(chunk k+1 reads the KV that chunk k wrote on this stage). The last stage samples and sends a
+StepResult to the host with every stage's compute interval. A heartbeat tells the host this
+stage is alive; the stage exits by itself when the host process goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from transport.addresses import Addresses
+from transport.control import PullSocket, PushSocket, context
+from transport.messages import (
+    PROTOCOL_VERSION,
+    EdgeHeader,
+    Heartbeat,
+    Sampled,
+    Shutdown,
+    StageFailed,
+    StageReady,
+    StepPlan,
+    StepResult,
+    Timing,
+)
+from transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
+
+HEARTBEAT_S = 0.2
+Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
+Output = tuple[StepPlan, list[Timing], "torch.Tensor | list[Sampled]"]
+QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """Everything a stage process needs; pickled to it at spawn."""
+
+    config: EngineConfig
+    stage: int
+    addresses: Addresses
+    inbound: ChannelSpec | None  # from stage - 1
+    outbound: ChannelSpec | None  # to stage + 1
+    dist_port: int  # torch.distributed store port (gloo / nccl channels), else 0
+    threads: int
+    parent_pid: int
+
+
+def stage_main(launch: StageLaunch) -> None:
+    """Process entry point (spawn)."""
+    _set_process_name(f"ppserve-stage-{launch.stage}")
+    torch.set_num_threads(launch.threads)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sys.exit(asyncio.run(StageWorker(launch).run()))
+
+
+class StageWorker:
+    def __init__(self, launch: StageLaunch) -> None:
+        self.launch = launch
+        self.stage = launch.stage
+        self.config = launch.config
+        self.last = launch.stage == launch.config.pp_size - 1
+        self.ctx = context()
+        self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False)
+        self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False)
+        # One compute thread; torch's thread count is set there too (OpenMP settings are per thread).
+        self.compute_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="compute", initializer=torch.set_num_threads, initargs=(launch.threads,)
+        )
+        self.inbound: TensorChannel | None = None
+        self.outbound: TensorChannel | None = None
+
+    async def run(self) -> int:
+        try:
+            await self._start()
+        except Exception as e:
+            await self._fail(f"failed to start: {type(e).__name__}: {e}")
+            return 1
+        received: asyncio.Queue[Received | None] = asyncio.Queue(QUEUE_DEPTH)
+        outputs: asyncio.Queue[Output | None] = asyncio.Queue(QUEUE_DEPTH)
+        tasks = [
+            asyncio.create_task(self._receive(received)),
+            asyncio.create_task(self._compute(received, outputs)),
+            asyncio.create_task(self._send(outputs)),
+        ]
+        pipeline = asyncio.gather(*tasks)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            # Ends when the pipeline drains after Shutdown, or when any task fails.
+            await asyncio.wait([pipeline, heartbeat], return_when=asyncio.FIRST_COMPLETED)
+            for error in (t.exception() for t in (pipeline, heartbeat) if t.done()):
+                if error is not None:
+                    raise error
+            return 0
+        except Exception as e:
+            await self._fail(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
+            return 1
+        finally:
+            for t in [*tasks, pipeline, heartbeat]:
+                t.cancel()
+            self._close()
+
+    async def _start(self) -> None:
+        from engine.stage_runner import StageRunner
+
+        launch = self.launch
+        kinds = {s.kind for s in (launch.inbound, launch.outbound) if s is not None}
+        if kinds & {"gloo", "nccl"}:
+            from transport.dist_channel import init_process_group
+
+            host = launch.addresses.stage_hosts[0] if launch.addresses.stage_hosts else "127.0.0.1"
+            init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port)
+        # Load the slice in the compute thread so heartbeats flow during long loads.
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self.compute_pool, StageRunner, self.config, self.stage)
+        if self.last:
+            from engine.sampler import Sampler
+
+            self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
+        if launch.inbound is not None:
+            self.inbound = open_channel(self.ctx, launch.inbound, sender=False)
+        if launch.outbound is not None:
+            self.outbound = open_channel(self.ctx, launch.outbound, sender=True)
+        await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid()))
+
+    async def _receive(self, received: asyncio.Queue[Received | None]) -> None:
+        hidden_size = self.config.model_config.hidden_size
+        device = torch.device(self.config.device)
+        while True:
+            msg = await self.plans.recv()
+            if isinstance(msg, Shutdown):
+                await received.put(None)
+                return
+            assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
+            header, hidden = None, None
+            if self.inbound is not None:
+                rows = sum(c.num_new for c in msg.chunks)
+                header, hidden = await self.inbound.recv((rows, hidden_size), self.config.torch_dtype, device)
+                if header.mb_id != msg.mb_id:
+                    raise RuntimeError(
+                        f"stage {self.stage}: activations of micro-batch {header.mb_id} for plan {msg.mb_id}"
+                    )
+            await received.put((msg, header, hidden))
+
+    async def _compute(self, received: asyncio.Queue[Received | None], outputs: asyncio.Queue[Output | None]) -> None:
+        loop = asyncio.get_running_loop()
+        while (item := await received.get()) is not None:
+            plan, header, hidden = item
+            start = time.time()
+            out = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
+            timings = [*(header.timings if header else []), Timing(self.stage, start, time.time())]
+            await outputs.put((plan, timings, out))
+        await outputs.put(None)
+
+    def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor | list[Sampled]:
+        """Compute thread: this stage's layers; on the last stage, sampling too."""
+        out = self.runner.execute(plan.chunks, hidden)
+        if not self.last:
+            return out
+        for new in plan.new_requests:
+            self.sampler.add_request(new.request_id, new.params)
+        ids = [c.request_id for c in plan.chunks if c.sample]
+        samples = [
+            Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
+            for rid, s in zip(ids, self.sampler.sample(ids, out), strict=True)
+        ]
+        for rid in plan.released:
+            self.sampler.remove_request(rid)
+        return samples
+
+    async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:
+        while (item := await outputs.get()) is not None:
+            plan, timings, out = item
+            if isinstance(out, torch.Tensor):
+                assert self.outbound is not None
+                await self.outbound.send(EdgeHeader(plan.mb_id, timings), out)
+            else:
+                await self.inbox.send(StepResult(plan.mb_id, out, timings))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if os.getppid() != self.launch.parent_pid:
+                print(f"ppserve-stage-{self.stage}: host process is gone, exiting", file=sys.stderr)
+                os._exit(1)
+            await self.inbox.send(Heartbeat(self.stage))
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _fail(self, error: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.inbox.send(StageFailed(self.stage, error)), 1.0)
+        print(f"ppserve-stage-{self.stage}: {error}", file=sys.stderr)
+
+    def _close(self) -> None:
+        for ch in (self.inbound, self.outbound):
+            if ch is not None:
+                ch.close()
+        self.inbox.close()
+        self.plans.close()
+        self.compute_pool.shutdown(wait=False, cancel_futures=True)
+        self.ctx.term()
+
+
+def _set_process_name(name: str) -> None:
+    """The OS-level name (what `ps -o comm` and `top` show), Linux only."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL: die with the host
+    except (OSError, AttributeError):
+        pass

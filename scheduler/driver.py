@@ -1,0 +1,44 @@
+"""The async pipeline driver: keeps up to `depth` micro-batches in flight.
+
+It knows nothing of sockets: plans go out through `send_plan`, results come in through
+`on_result`. Everything runs on one event loop, so the scheduler needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from transport.messages import Sampled, StepPlan, StepResult
+
+
+class PipelineDriver:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        send_plan: Callable[[StepPlan], Awaitable[None]],
+        on_outputs: Callable[[list[tuple[Request, Sampled]], StepResult], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.send_plan = send_plan
+        self.on_outputs = on_outputs
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Something changed (a request arrived or ended, a result came back): plan again."""
+        self._wake.set()
+
+    def on_result(self, result: StepResult) -> None:
+        self.on_outputs(self.scheduler.update(result), result)
+        self.wake()
+
+    async def run(self) -> None:
+        while True:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self.send_plan(plan)

@@ -1,0 +1,220 @@
+"""The central scheduler: pure and synchronous. `schedule() -> StepPlan | None`, `update(result)`.
+
+Progress of a request is `num_computed_tokens` catching up with `num_tokens`; there is no
+prefill or decode mode. A plan takes, for each chosen request, the next tokens it has not yet
+scheduled (at most `chunked_prefill_size`), and samples when those reach the end of the sequence.
+
+Pipelining rules:
+- At most `depth = pp_size + async_depth` plans are in flight.
+- A request whose sampling chunk is in flight waits for that token (its next step depends on
+  it), so it is in at most one in-flight sampling plan. Prefill chunks do not sample, so
+  consecutive chunks of one prompt go into consecutive plans and fill every stage at once.
+- Each plan takes at most ceil(active / pp_size) requests, so that decoding requests spread over
+  pp_size micro-batches and every stage has one to work on.
+
+KV blocks: allocated as chunks are scheduled; when they run out, the most recently admitted
+request with nothing in flight is preempted (its blocks freed, recomputed later from its tokens).
+A finished or aborted request frees its blocks only once no plan in flight still writes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.block_allocator import BlockAllocator
+from scheduler.request import FinishReason, Request
+from transport.messages import NewRequest, Sampled, SeqChunk, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    pp_size: int
+    async_depth: int = 1
+    max_running_requests: int = 256
+    max_batched_tokens: int = 2048  # new tokens per micro-batch
+    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch
+
+
+@dataclass
+class _InFlight:
+    items: list[tuple[Request, int]]  # (request, tokens in this plan)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.chunked_prefill_size < 1 or config.max_batched_tokens < 1 or config.max_running_requests < 1:
+            raise ValueError("chunked_prefill_size, max_batched_tokens and max_running_requests must be >= 1")
+        self.config = config
+        self.depth = config.pp_size + config.async_depth
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.inflight: dict[int, _InFlight] = {}
+        self._next_mb = 0
+        self._released: list[str] = []  # announced requests the last stage may forget
+        self.num_preemptions = 0
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        max_tokens = self.allocator.num_blocks * self.allocator.block_size
+        if len(request.prompt_token_ids) >= max_tokens:
+            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens cannot fit the KV cache ({max_tokens})")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """End a request early (client gone, or a stop string matched on the host)."""
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return None
+        if r in self.waiting:
+            self.waiting.remove(r)
+        r.finish_reason = reason
+        self._finish(r)
+        return r
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        if len(self.inflight) >= self.depth:
+            return None
+        cfg = self.config
+        admissible = min(len(self.waiting), cfg.max_running_requests - len(self.running))
+        cap = max(1, math.ceil((len(self.running) + admissible) / cfg.pp_size))
+        budget = cfg.max_batched_tokens
+        items: list[tuple[Request, int]] = []
+
+        for r in list(self.running):
+            if len(items) >= cap or budget == 0:
+                break
+            if r.finished or r.awaiting_sample or r.num_scheduled_tokens >= r.num_tokens:
+                continue
+            n = min(r.num_tokens - r.num_scheduled_tokens, budget, cfg.chunked_prefill_size)
+            if not self._reserve(r, n, protect={id(x) for x, _ in items}):
+                continue
+            items.append((r, n))
+            budget -= n
+
+        while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
+            r = self.waiting[0]
+            n = min(r.num_tokens - r.num_scheduled_tokens, budget, cfg.chunked_prefill_size)
+            if self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table) > self.allocator.num_free:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(r)
+            self._reserve(r, n, protect=set())
+            items.append((r, n))
+            budget -= n
+
+        if not items:
+            return None
+        return self._emit(items)
+
+    def _reserve(self, r: Request, n: int, protect: set[int]) -> bool:
+        """Make sure r's blocks cover n more tokens, preempting others if needed."""
+        need = self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table)
+        while need > self.allocator.num_free:
+            victim = next(
+                (
+                    v
+                    for v in reversed(self.running)
+                    if v is not r and v.inflight_plans == 0 and v.block_table and id(v) not in protect
+                ),
+                None,
+            )
+            if victim is None:
+                return False
+            self._preempt(victim)
+        self.allocator.grow(r.block_table, r.num_scheduled_tokens + n)
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Recompute later: drop r's KV; its tokens so far become the prompt of a fresh prefill."""
+        self.num_preemptions += 1
+        self.allocator.free(r.block_table)
+        r.block_table.clear()
+        r.num_computed_tokens = r.num_scheduled_tokens = 0
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    def _emit(self, items: list[tuple[Request, int]]) -> StepPlan:
+        chunks: list[SeqChunk] = []
+        new: list[NewRequest] = []
+        for r, n in items:
+            start = r.num_scheduled_tokens
+            sample = start + n == r.num_tokens
+            chunks.append(
+                SeqChunk(r.request_id, r.all_token_ids[start : start + n], start, list(r.block_table), sample)
+            )
+            r.num_scheduled_tokens += n
+            r.inflight_plans += 1
+            r.awaiting_sample = sample
+            if not r.announced:
+                r.announced = True
+                new.append(NewRequest(r.request_id, r.params.wire()))
+        mb_id = self._next_mb
+        self._next_mb += 1
+        self.inflight[mb_id] = _InFlight(items)
+        plan = StepPlan(mb_id, chunks, new, self._released)
+        self._released = []
+        return plan
+
+    # ---- results in -----------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[tuple[Request, Sampled]]:
+        """Apply a finished micro-batch; returns each live request's new token (finished ones included)."""
+        record = self.inflight.pop(result.mb_id)
+        for r, n in record.items:
+            r.inflight_plans -= 1
+            if not r.finished:
+                r.num_computed_tokens += n
+        out: list[tuple[Request, Sampled]] = []
+        for s in result.samples:
+            req = self.requests.get(s.request_id)
+            if req is None or req.finished:
+                continue  # aborted while in flight: the token is dropped
+            req.awaiting_sample = False
+            if req.append_token(s.token_id) is not None:
+                self._finish(req)
+            out.append((req, s))
+        for r, _ in record.items:
+            if r.finished and r.inflight_plans == 0:
+                self._free(r)
+        return out
+
+    def _finish(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r.inflight_plans == 0:
+            self._free(r)
+
+    def _free(self, r: Request) -> None:
+        self.allocator.free(r.block_table)
+        r.block_table.clear()
+        if self.requests.pop(r.request_id, None) is not None and r.announced:
+            self._released.append(r.request_id)
+
+    def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
+        """Everything waiting or running ends (a stage died); returns those requests."""
+        ended = list(self.waiting) + list(self.running)
+        for r in ended:
+            r.finish_reason = reason
+        self.waiting.clear()
+        self.running.clear()
+        self.inflight.clear()
+        for r in ended:
+            r.inflight_plans = 0
+            self._free(r)
+        return ended

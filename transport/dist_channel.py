@@ -1,0 +1,64 @@
+"""torch.distributed point-to-point tensors (gloo on CPU, nccl on CUDA); header over ZeroMQ.
+
+gloo's work handles cannot be polled, so waits run in a worker thread and never block the event
+loop. Both ends issue operations in micro-batch order, which pairs each send with its recv.
+Each stage process joins one process group (rank = stage) before opening its channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import zmq
+import zmq.asyncio
+
+from transport.messages import EdgeHeader
+from transport.tensor_channel import ChannelSpec, TensorChannel
+
+
+class DistChannel(TensorChannel):
+    def __init__(self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> None:
+        super().__init__(ctx, spec, sender=sender)
+        if not dist.is_initialized():
+            raise RuntimeError(f"{spec.kind} channel: torch.distributed is not initialised in this process")
+        self.peer = spec.stage + 1 if sender else spec.stage
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.kind}-wait")
+
+    async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
+        work = dist.isend(tensor.detach().contiguous(), dst=self.peer)
+        await super().send(header, tensor)
+        assert work is not None
+        await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
+
+    async def _recv_tensor(
+        self,
+        header: EdgeHeader,
+        frames: list[zmq.Frame],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        work = dist.irecv(buf, src=self.peer)
+        assert work is not None
+        await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
+        return buf
+
+    def close(self) -> None:
+        super().close()
+        self._waiter.shutdown(wait=False, cancel_futures=True)
+
+
+def init_process_group(kind: str, stage: int, pp_size: int, master: str, port: int, timeout_s: float = 60) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend=kind,
+        init_method=f"tcp://{master}:{port}",
+        rank=stage,
+        world_size=pp_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,99 @@
+"""Tensor channels: how activations travel from stage i to stage i + 1.
+
+Every channel is one edge, one direction, FIFO: the k-th `recv` returns the k-th `send`. A small
+`EdgeHeader` always travels over a ZeroMQ PUSH/PULL pair (micro-batch id, upstream timings); the
+tensor goes by the channel's own means. Shapes are not sent: the receiver knows them from the plan.
+
+Kinds (`--tensor-transport`):
+  shm   same host: a ring of slots in shared memory per edge, the header is the doorbell.
+  gloo  torch.distributed point-to-point on CPU; nccl: the same on CUDA.
+  zmq   the tensor as a zero-copy frame next to the header (works across hosts).
+  auto  nccl when stages are on CUDA, shm when all stages share a host, else gloo.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import zmq.asyncio
+
+from transport.control import PullSocket, PushSocket
+from transport.messages import EdgeHeader, decode_header, encode
+
+KINDS = ("auto", "shm", "gloo", "nccl", "zmq")
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """Everything both ends of one edge need; made by the host, pickled to the stage processes."""
+
+    kind: str  # resolved: shm | gloo | nccl | zmq
+    stage: int  # the sending stage; the receiver is stage + 1
+    address: str  # ZeroMQ address of the header socket (bound by the receiver)
+    ring: torch.Tensor | None = None  # shm: [slots, slot_bytes] uint8 in shared memory
+
+
+def resolve_kind(kind: str, device: str, same_host: bool) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"tensor transport must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "auto":
+        return "nccl" if device == "cuda" else "shm" if same_host else "gloo"
+    if kind == "nccl" and device != "cuda":
+        raise ValueError("tensor transport 'nccl' needs --device cuda")
+    if kind == "shm" and not same_host:
+        raise ValueError("tensor transport 'shm' needs all stages on one host")
+    return kind
+
+
+class TensorChannel(ABC):
+    def __init__(self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> None:
+        self.spec = spec
+        self.sender = sender
+        self.push = PushSocket(ctx, spec.address, bind=False) if sender else None
+        self.pull = None if sender else PullSocket(ctx, spec.address, bind=True)
+
+    async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
+        assert self.push is not None, "send on the receiving end"
+        await self.push.send_frames([encode(header)])
+
+    async def recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[EdgeHeader, torch.Tensor]:
+        assert self.pull is not None, "recv on the sending end"
+        frames = await self.pull.recv_frames()
+        header = decode_header(frames[0].buffer)
+        return header, await self._recv_tensor(header, frames, shape, dtype, device)
+
+    @abstractmethod
+    async def _recv_tensor(
+        self,
+        header: EdgeHeader,
+        frames: list[zmq.Frame],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        for sock in (self.push, self.pull):
+            if sock is not None:
+                sock.close()
+
+
+def open_channel(ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> TensorChannel:
+    """One end of an edge: the sender is stage `spec.stage`, the receiver stage `spec.stage + 1`."""
+    if spec.kind == "shm":
+        from transport.shm_channel import ShmChannel
+
+        return ShmChannel(ctx, spec, sender=sender)
+    if spec.kind in ("gloo", "nccl"):
+        from transport.dist_channel import DistChannel
+
+        return DistChannel(ctx, spec, sender=sender)
+    if spec.kind == "zmq":
+        from transport.zmq_channel import ZmqChannel
+
+        return ZmqChannel(ctx, spec, sender=sender)
+    raise ValueError(f"unknown tensor channel kind {spec.kind!r}")
