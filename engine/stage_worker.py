@@ -98,25 +98,25 @@ class StageWorker:
             return 1
         received: asyncio.Queue[Received | None] = asyncio.Queue(QUEUE_DEPTH)
         outputs: asyncio.Queue[Output | None] = asyncio.Queue(QUEUE_DEPTH)
-        tasks = [
+        stages = [
             asyncio.create_task(self._receive(received)),
             asyncio.create_task(self._compute(received, outputs)),
             asyncio.create_task(self._send(outputs)),
         ]
-        pipeline = asyncio.gather(*tasks)
-        heartbeat = asyncio.create_task(self._heartbeat())
+        pending: set[asyncio.Task[None]] = {*stages, asyncio.create_task(self._heartbeat())}
         try:
-            # Ends when the pipeline drains after Shutdown, or when any task fails.
-            await asyncio.wait([pipeline, heartbeat], return_when=asyncio.FIRST_COMPLETED)
-            for error in (t.exception() for t in (pipeline, heartbeat) if t.done()):
-                if error is not None:
-                    raise error
+            # Until the pipeline drains after Shutdown (the heartbeat never ends) or a task fails.
+            while not all(t.done() for t in stages):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if (error := t.exception()) is not None:
+                        raise error
             return 0
         except Exception as e:
             await self._fail(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
             return 1
         finally:
-            for t in [*tasks, pipeline, heartbeat]:
+            for t in pending:
                 t.cancel()
             self._close()
 
