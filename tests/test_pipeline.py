@@ -1,0 +1,173 @@
+"""The real pipeline: stage processes, tensor channels, the central scheduler, AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers import pipeline, random_prompt
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.stage_pool import StageError
+from scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+PROMPTS = [
+    random_prompt(random.Random(i), n) for i, n in enumerate([1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 33, 40, 47, 52, 64])
+]
+
+
+def engine_config(model_dir: Path, pp: int, transport: str = "shm", **kw: object) -> EngineConfig:
+    kw.setdefault("chunked_prefill_size", 8)  # many chunks per prompt
+    kw.setdefault("num_kv_blocks", 512)
+    return EngineConfig.create(model_dir, pp_size=pp, tensor_transport=transport, threads_per_stage=1, **kw)  # type: ignore[arg-type]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int] | str, params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(prompt, params):
+        tokens += out.token_ids
+    return tokens
+
+
+async def run_batch(engine: AsyncEngine) -> tuple[list[list[int]], list[list[int]]]:
+    greedy = [collect(engine, p, GREEDY) for p in PROMPTS]
+    seeded = [collect(engine, p, SEEDED) for p in PROMPTS]
+    results = await asyncio.gather(*greedy, *seeded)
+    return results[: len(PROMPTS)], results[len(PROMPTS) :]
+
+
+async def wait_until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> list[list[int]]:
+    """Greedy tokens from the single-process reference."""
+    return [g.token_ids for g in pipeline(llama_dir).generate(PROMPTS, GREEDY, chunk_size=8)]
+
+
+@pytest.fixture(scope="module")
+def seeded_pp1(llama_dir: Path) -> list[list[int]]:
+    async def go() -> list[list[int]]:
+        async with AsyncEngine(engine_config(llama_dir, 1)) as engine:
+            greedy, seeded = await run_batch(engine)
+        return seeded
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(("pp", "transport"), [(1, "shm"), (2, "shm"), (2, "gloo"), (2, "zmq"), (3, "shm"), (4, "zmq")])
+async def test_outputs_equal_reference(
+    llama_dir: Path, reference: list[list[int]], seeded_pp1: list[list[int]], pp: int, transport: str
+) -> None:
+    async with AsyncEngine(engine_config(llama_dir, pp, transport)) as engine:
+        greedy, seeded = await run_batch(engine)
+        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+    assert greedy == reference
+    assert seeded == seeded_pp1
+
+
+async def test_long_prompt_fills_every_stage(llama_dir: Path) -> None:
+    prompt = random_prompt(random.Random(99), 600)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = pipeline(llama_dir, num_kv_blocks=512).generate([prompt], params)[0].token_ids
+    async with AsyncEngine(engine_config(llama_dir, 3, chunked_prefill_size=32)) as engine:
+        assert await collect(engine, prompt, params) == expected
+        results = list(engine.timings)
+    # Compute intervals of different micro-batches on different stages overlap in time.
+    intervals = [(r.mb_id, t.stage, t.start, t.end) for r in results for t in r.timings]
+    overlaps = {
+        (s1, s2)
+        for m1, s1, a1, b1 in intervals
+        for m2, s2, a2, b2 in intervals
+        if m1 != m2 and s1 != s2 and a1 < b2 and a2 < b1
+    }
+    assert len({frozenset(p) for p in overlaps}) >= 2, "the pipeline never had two stages busy at once"
+
+
+async def test_abort_and_many_concurrent_requests(llama_dir: Path) -> None:
+    distinct = PROMPTS[::2]
+    reference = {tuple(p): g.token_ids for p, g in zip(distinct, pipeline(llama_dir).generate(distinct, GREEDY))}
+    async with AsyncEngine(engine_config(llama_dir, 2, max_running_requests=64)) as engine:
+        alloc = engine.scheduler.allocator
+
+        # Closing the iterator mid-stream aborts the request.
+        stream = engine.generate(PROMPTS[-1], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        # Cancelling the task that reads the stream aborts it too.
+        task = asyncio.create_task(collect(engine, PROMPTS[-2], SamplingParams(max_tokens=200, ignore_eos=True)))
+        await wait_until(lambda: alloc.num_free < alloc.num_blocks)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: alloc.num_free == alloc.num_blocks and not engine.scheduler.inflight)
+
+        # 200 concurrent requests, all correct, and every block back afterwards.
+        prompts = [distinct[i % len(distinct)] for i in range(200)]
+        outs = await asyncio.gather(*[collect(engine, p, GREEDY) for p in prompts])
+        assert all(out == reference[tuple(p)] for p, out in zip(prompts, outs, strict=True))
+        assert alloc.num_free == alloc.num_blocks
+
+
+async def test_killed_stage_fails_requests_fast(llama_dir: Path) -> None:
+    engine = await AsyncEngine(engine_config(llama_dir, 2)).start()
+    pids = [p.pid for p in engine._pool.procs]  # type: ignore[union-attr]
+    try:
+        params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        tasks = [asyncio.create_task(collect(engine, p, params)) for p in PROMPTS[:4]]
+        await wait_until(lambda: engine.scheduler.running and all(r.output_token_ids for r in engine.scheduler.running))
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
+        assert time.monotonic() - killed < 3
+        assert all(isinstance(r, StageError) and "stage 1" in str(r) for r in results), results
+        assert not engine.healthy
+        with pytest.raises(EngineDeadError, match="stage 1"):
+            await collect(engine, PROMPTS[0], GREEDY)
+    finally:
+        started = time.monotonic()
+        await engine.close()
+        assert time.monotonic() - started < 3
+    for pid in pids:
+        await wait_until(lambda pid=pid: not _alive(pid))
+
+
+async def test_stage_start_failure_reports_the_stage_error(llama_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ckpt = shutil.copytree(llama_dir, tmp_path / "broken")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"stage 1 failed to start: .*missing tensor\(s\): model.layers.3"):
+        async with AsyncEngine(engine_config(ckpt, 2)):
+            pass
+    assert time.monotonic() - started < 60
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent will reap it).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"

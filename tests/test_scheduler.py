@@ -1,0 +1,199 @@
+"""The scheduler on its own: no processes, results fed back by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from transport.messages import Sampled, StepPlan, StepResult
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def make(pp: int = 2, blocks: int = 64, chunk: int = 8, budget: int = 64, running: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=blocks,
+            block_size=4,
+            pp_size=pp,
+            max_running_requests=running,
+            max_batched_tokens=budget,
+            chunked_prefill_size=chunk,
+        )
+    )
+
+
+def req(rid: str, n: int, params: SamplingParams = GREEDY) -> Request:
+    return Request(rid, list(range(10, 10 + n)), params)
+
+
+def complete(s: Scheduler, plan: StepPlan, token: int = 7) -> None:
+    """What the last stage would answer: a token for every sampling chunk."""
+    s.update(StepResult(plan.mb_id, [Sampled(c.request_id, token) for c in plan.chunks if c.sample], []))
+
+
+def drain(s: Scheduler, rng: random.Random | None = None) -> list[StepPlan]:
+    """Run to completion, answering in-flight plans in order (or in random order)."""
+    plans: list[StepPlan] = []
+    inflight: list[StepPlan] = []
+    for _ in range(10_000):
+        while (plan := s.schedule()) is not None:
+            plans.append(plan)
+            inflight.append(plan)
+        if not inflight:
+            break
+        complete(s, inflight.pop(rng.randrange(len(inflight)) if rng else 0))
+    assert not s.has_work
+    return plans
+
+
+def test_long_prompt_chunks_fill_the_pipeline() -> None:
+    s = make(pp=3, chunk=8)
+    s.add(req("long", 40))
+    plans = []
+    while (plan := s.schedule()) is not None:
+        plans.append(plan)
+    # depth = pp + 1 plans in flight, consecutive chunks of the one prompt, no sampling yet.
+    assert len(plans) == 4
+    assert [(c.start, c.num_new, c.sample) for p in plans for c in p.chunks] == [
+        (0, 8, False),
+        (8, 8, False),
+        (16, 8, False),
+        (24, 8, False),
+    ]
+    complete(s, plans[0])
+    last = s.schedule()
+    assert last is not None and [(c.start, c.num_new, c.sample) for c in last.chunks] == [(32, 8, True)]
+    assert s.schedule() is None  # its next step needs the token
+
+
+def test_a_request_is_in_at_most_one_sampling_plan() -> None:
+    s = make(pp=2)
+    for i in range(6):
+        s.add(req(f"r{i}", 3))
+    seen: dict[str, int] = {}
+    inflight: list[StepPlan] = []
+    for _ in range(200):
+        while (plan := s.schedule()) is not None:
+            inflight.append(plan)
+            for c in plan.chunks:
+                if c.sample:
+                    assert seen.get(c.request_id, 0) == 0, "two sampling chunks in flight"
+                    seen[c.request_id] = 1
+        if not inflight:
+            break
+        plan = inflight.pop(0)
+        for c in plan.chunks:
+            if c.sample:
+                seen[c.request_id] = 0
+        complete(s, plan)
+    assert not s.has_work
+
+
+def test_decodes_spread_over_micro_batches() -> None:
+    s = make(pp=2, running=64)
+    for i in range(8):
+        s.add(req(f"r{i}", 2))
+    first, second = s.schedule(), s.schedule()
+    assert first is not None and second is not None
+    assert len(first.chunks) == 4 and len(second.chunks) == 4  # ceil(8 / pp) each
+
+
+def test_token_budget_and_max_running() -> None:
+    s = make(pp=1, budget=10, chunk=8, running=2)
+    for i in range(4):
+        s.add(req(f"r{i}", 20))
+    plan = s.schedule()
+    assert plan is not None
+    assert sum(c.num_new for c in plan.chunks) <= 10
+    assert len(s.running) <= 2
+
+
+def test_finish_on_max_tokens_and_stop_ids_frees_blocks() -> None:
+    s = make()
+    s.add(req("a", 5, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+    s.add(Request("b", [1, 2], SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(7,))))
+    drain(s)
+    assert s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_eos_and_length_reasons() -> None:
+    s = make(pp=1)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0), eos_token_ids=(7,))
+    b = Request("b", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), eos_token_ids=(7,))
+    s.add(a)
+    s.add(b)
+    drain(s)
+    assert (a.finish_reason, a.output_token_ids) == (FinishReason.STOP, [7])
+    assert (b.finish_reason, len(b.output_token_ids)) == (FinishReason.LENGTH, 5)
+
+
+def test_abort_in_flight_frees_blocks_only_after_the_plan_returns() -> None:
+    s = make(pp=2)
+    s.add(req("a", 30))
+    plan = s.schedule()
+    assert plan is not None
+    used = s.allocator.num_blocks - s.allocator.num_free
+    assert used > 0
+    s.abort("a")
+    # A stage may still be writing a's KV blocks: they must not be reused yet.
+    assert s.allocator.num_free == s.allocator.num_blocks - used
+    complete(s, plan)
+    assert s.allocator.num_free == s.allocator.num_blocks
+    next_plan = s.schedule()
+    assert next_plan is None or "a" in next_plan.released
+
+
+def test_abort_waiting_request() -> None:
+    s = make(running=1)
+    s.add(req("a", 3))
+    s.add(req("b", 3))
+    assert s.abort("b") is not None
+    assert s.abort("b") is None  # twice is harmless
+    drain(s)
+    assert s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    # 8 blocks of 4 tokens = 32 tokens; three requests that each grow to 16 tokens.
+    s = make(pp=1, blocks=8, chunk=16)
+    reqs = [req(f"r{i}", 6, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    plans = drain(s)
+    assert s.num_preemptions > 0
+    assert all(len(r.output_token_ids) == 10 and r.finish_reason == FinishReason.LENGTH for r in reqs)
+    assert s.allocator.num_free == 8
+    # A preempted request is recomputed from position 0 over its prompt and its tokens so far.
+    restarts = [c for p in plans for c in p.chunks if c.start == 0]
+    assert len(restarts) > 3
+
+
+def test_random_interleavings_keep_invariants() -> None:
+    rng = random.Random(0)
+    for trial in range(20):
+        s = make(pp=rng.choice([1, 2, 4]), blocks=rng.choice([16, 64]), chunk=rng.choice([1, 3, 8]), budget=16)
+        reqs = [
+            req(f"{trial}-{i}", rng.randint(1, 30), SamplingParams(max_tokens=rng.randint(1, 8), temperature=0))
+            for i in range(rng.randint(1, 12))
+        ]
+        for r in reqs:
+            s.add(r)
+        for r in rng.sample(reqs, k=len(reqs) // 4):
+            s.abort(r.request_id)
+        drain(s, rng)
+        assert s.allocator.num_free == s.allocator.num_blocks
+        assert all(r.finished for r in reqs)
+
+
+def test_prompt_larger_than_the_cache_is_refused() -> None:
+    s = make(blocks=2)
+    with pytest.raises(ValueError, match="cannot fit the KV cache"):
+        s.add(req("big", 8))
+    s.add(req("ok", 3))
+    with pytest.raises(ValueError, match="duplicate request id"):
+        s.add(req("ok", 3))
