@@ -17,7 +17,7 @@ import itertools
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -120,7 +120,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if a
         stage has died (also mid-stream)."""
         if not self.healthy:

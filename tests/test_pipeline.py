@@ -63,7 +63,7 @@ def reference(llama_dir: Path) -> list[list[int]]:
 def seeded_pp1(llama_dir: Path) -> list[list[int]]:
     async def go() -> list[list[int]]:
         async with AsyncEngine(engine_config(llama_dir, 1)) as engine:
-            greedy, seeded = await run_batch(engine)
+            _, seeded = await run_batch(engine)
         return seeded
 
     return asyncio.run(go())
@@ -100,7 +100,8 @@ async def test_long_prompt_fills_every_stage(llama_dir: Path) -> None:
 
 async def test_abort_and_many_concurrent_requests(llama_dir: Path) -> None:
     distinct = PROMPTS[::2]
-    reference = {tuple(p): g.token_ids for p, g in zip(distinct, pipeline(llama_dir).generate(distinct, GREEDY))}
+    generated = pipeline(llama_dir).generate(distinct, GREEDY)
+    reference = {tuple(p): g.token_ids for p, g in zip(distinct, generated, strict=True)}
     async with AsyncEngine(engine_config(llama_dir, 2, max_running_requests=64)) as engine:
         alloc = engine.scheduler.allocator
 
@@ -126,7 +127,8 @@ async def test_abort_and_many_concurrent_requests(llama_dir: Path) -> None:
 
 async def test_killed_stage_fails_requests_fast(llama_dir: Path) -> None:
     engine = await AsyncEngine(engine_config(llama_dir, 2)).start()
-    pids = [p.pid for p in engine._pool.procs]  # type: ignore[union-attr]
+    assert engine._pool is not None
+    pids = [p.pid for p in engine._pool.procs if p.pid is not None]
     try:
         params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
         tasks = [asyncio.create_task(collect(engine, p, params)) for p in PROMPTS[:4]]
