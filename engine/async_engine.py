@@ -127,14 +127,10 @@ class AsyncEngine:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.config.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        mc = self.config.model_config
-        request = Request(rid, ids, params, mc.eos_token_ids, self.config.max_model_len)
+        request = self._request(rid, ids, params)
         stream = _Stream(request, self.tokenizer.detokenizer(ids))
         self.scheduler.add(request)
         self._streams[rid] = stream
@@ -153,6 +149,18 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not request.finished:
                 self.abort(rid)
+
+    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError (naming the problem) if this prompt cannot be served."""
+        self._request("check", list(token_ids), params or SamplingParams())
+
+    def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+        vocab = self.config.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary (size {vocab})")
+        mc = self.config.model_config
+        return Request(request_id, ids, params, mc.eos_token_ids, self.config.max_model_len)
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None and self._driver is not None:

@@ -1,9 +1,9 @@
 """Every stage in one process, run one after another.
 
-The single-process reference that the multi-process pipeline must agree with, and the engine
-behind `ppserve generate` until stages run as processes. Batching is simple continuous batching:
-every unfinished request is in every step, prefilling in chunks of at most `chunk_size` tokens
-and then decoding one token per step.
+The single-process reference that the multi-process pipeline must agree with (tests and
+benchmarks use it). Batching is simple continuous batching: every unfinished request is in
+every step, prefilling in chunks of at most `chunk_size` tokens and then decoding one token per
+step; there is no preemption (running out of KV blocks raises OutOfBlocks).
 """
 
 from __future__ import annotations

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from engine.model_config import ConfigError
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from scheduler.sampling_params import SamplingParams
 
 EXIT_USAGE = 2
 
@@ -35,6 +41,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--tensor-transport",
+        default="auto",
+        choices=["auto", "shm", "gloo", "nccl", "zmq"],
+        help="how activations travel between stages (auto: nccl on CUDA, else shm)",
+    )
+    p.add_argument("--max-running-requests", type=int, default=256)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -55,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--input-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    source.add_argument("--prompts-file", help="one prompt per line, generated as one batch ('-' reads stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -66,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top N logprobs (N <= 20)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return parser
 
 
@@ -77,12 +92,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             _generate(args)
     except (ConfigError, ValueError) as e:
         fail(f"ppserve {args.command}: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def _generate(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
-    from engine.local_pipeline import LocalPipeline
-    from engine.tokenizer import Tokenizer
     from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -95,10 +110,9 @@ def _generate(args: argparse.Namespace) -> None:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         logprobs=args.logprobs,
+        stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    if args.chunked_prefill_size < 1:
-        raise ValueError(f"--chunked-prefill-size must be >= 1, got {args.chunked_prefill_size}")
     config = EngineConfig.create(
         args.model,
         pp_size=args.pp_size,
@@ -108,38 +122,68 @@ def _generate(args: argparse.Namespace) -> None:
         block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,
+        tensor_transport=args.tensor_transport,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
     )
-    tokenizer = Tokenizer(args.model)
-    if args.input_ids is not None:
-        if args.chat:
-            raise ValueError("--chat needs --prompt, not --input-ids")
-        prompt_ids = args.input_ids
-        vocab = config.model_config.vocab_size
-        if max(prompt_ids) >= vocab:
-            raise ValueError(f"--input-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})")
-    elif args.chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt")
+    if args.prompts_file is not None:
+        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
+        with stream:
+            prompts: list[str | list[int]] = [line.rstrip("\n") for line in stream if line.strip()]
+        if not prompts:
+            raise ValueError(f"no prompts in {args.prompts_file}")
     else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
+        prompts = [args.input_ids if args.input_ids is not None else args.prompt]
+    if any(p == "" for p in prompts):
         raise ValueError("the prompt is empty")
-    result = LocalPipeline(config).generate([prompt_ids], params, chunk_size=args.chunked_prefill_size)[0]
-    text = tokenizer.decode(result.token_ids)
-    if not args.json:
-        print(text)
-        return
-    out: dict[str, object] = {
-        "text": text,
-        "token_ids": result.token_ids,
-        "prompt_token_ids": prompt_ids,
-        "finish_reason": result.finish_reason.value,
-    }
-    if params.logprobs is not None:
-        out["logprobs"] = [
-            {"token_id": s.token_id, "logprob": s.logprob, "top_logprobs": [list(t) for t in s.top_logprobs]}
-            for s in result.samples
+    _run(_generate_all(config, prompts, params, args.chat, args.json))
+
+
+async def _generate_all(
+    config: EngineConfig, prompts: list[str | list[int]], params: SamplingParams, chat: bool, as_json: bool
+) -> None:
+    from engine.async_engine import AsyncEngine
+
+    async with AsyncEngine(config) as engine:
+        if chat:
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": str(p)}]) for p in prompts]
+        # Validate every prompt before starting any, so a bad one fails fast with exit code 2.
+        encoded = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        for ids in encoded:
+            engine.check_prompt(ids, params)
+        results = await asyncio.gather(*[_one(engine, ids, params) for ids in encoded])
+    for ids, result in zip(encoded, results, strict=True):
+        if not as_json:
+            print(result["text"])
+            continue
+        print(json.dumps({**result, "prompt_token_ids": ids}))
+
+
+async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams) -> dict[str, object]:
+    text, token_ids, logprobs, reason = [], [], [], None
+    async for out in engine.generate(prompt_ids, params):
+        text.append(out.text)
+        token_ids += out.token_ids
+        logprobs += [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top_logprobs]}
+            for lp in out.logprobs or []
         ]
-    print(json.dumps(out))
+        reason = out.finish_reason
+    result: dict[str, object] = {"text": "".join(text), "token_ids": token_ids, "finish_reason": reason}
+    if params.logprobs is not None:
+        result["logprobs"] = logprobs
+    return result
+
+
+def _run(coro: Coroutine[object, object, None]) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
 
 
 if __name__ == "__main__":

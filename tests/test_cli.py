@@ -14,9 +14,16 @@ from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    if args[:1] == ("generate",):
+        args = (*args, "--kv-cache-gb", "0.02")  # the tiny model needs little; allocate little
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        input=stdin,
     )
 
 
@@ -48,9 +55,39 @@ def test_generate_input_ids_seeded_is_reproducible(llama_dir: Path) -> None:
 
 
 def test_plain_output_is_the_text(llama_dir: Path) -> None:
-    res = run_cli("generate", "--model", str(llama_dir), "--prompt", "hello", "--chat", "--max-tokens", "4")
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.endswith("\n")
+    args = ["generate", "--model", str(llama_dir), "--prompt", "hello", "--chat", "--max-tokens", "6"]
+    args += ["--seed", "1", "--ignore-eos"]
+    plain, as_json = run_cli(*args), run_cli(*args, "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_batch_from_stdin_through_the_pipeline(llama_dir: Path) -> None:
+    """Several prompts (one per line on stdin) as one batch through 2 stage processes, per channel."""
+    prompts = ["The pipeline stage", "café 東京", "a b c d e f g h i j k l m n o p"]
+    tok = Tokenizer(llama_dir)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [g.token_ids for g in pipeline(llama_dir).generate([tok.encode(p) for p in prompts], greedy)]
+    for transport in ("shm", "zmq"):
+        res = run_cli(
+            "generate", "--model", str(llama_dir), "--pp-size", "2", "--tensor-transport", transport,
+            "--prompts-file", "-", "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json",
+            "--chunked-prefill-size", "4", stdin="\n".join(prompts) + "\n",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        lines = [json.loads(line) for line in res.stdout.splitlines()]
+        assert [line["token_ids"] for line in lines] == expected
+
+
+def test_stop_string(llama_dir: Path) -> None:
+    base = ["generate", "--model", str(llama_dir), "--input-ids", "5,6,7", "--max-tokens", "24"]
+    base += ["--temperature", "0", "--ignore-eos", "--json"]
+    free = json.loads(run_cli(*base).stdout)
+    stop = free["text"][5:8]
+    assert stop.strip()
+    cut = json.loads(run_cli(*base, "--stop", stop).stdout)
+    assert cut["text"] == free["text"][: free["text"].index(stop)]
+    assert cut["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize(
@@ -65,7 +102,9 @@ def test_plain_output_is_the_text(llama_dir: Path) -> None:
         (["--input-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
         (["--prompt", "x", "--input-ids", "1"], "not allowed with argument"),
         (["--prompt", ""], "the prompt is empty"),
-        (["--prompt", "x", "--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1"),
+        (["--prompt", "x", "--chunked-prefill-size", "0"], "chunked_prefill_size must be >= 1"),
+        (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
+        (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),
     ],
 )
