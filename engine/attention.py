@@ -59,7 +59,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot (block * block_size + offset)
     decode: DecodeGroup | None
     prefills: tuple[PrefillGroup, ...]
-    block_size: int
 
     @classmethod
     def build(
@@ -79,6 +78,8 @@ class AttentionMetadata:
         prefills: list[PrefillGroup] = []
         row = 0
         for span in spans:
+            if span.num_new < 1:
+                raise ValueError("a chunk must carry at least one new token")
             end = span.start + span.num_new
             needed = -(-end // block_size)
             if len(span.block_table) < needed:
@@ -115,7 +116,6 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode=decode,
             prefills=tuple(prefills),
-            block_size=block_size,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +76,8 @@ class EngineConfig:
                 f"(the model's max_position_embeddings), got {max_model_len}"
             )
         if num_kv_blocks is None:
-            if kv_cache_gb <= 0:
-                raise ConfigError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+            if not math.isfinite(kv_cache_gb) or kv_cache_gb <= 0:
+                raise ConfigError(f"kv_cache_gb must be a positive number, got {kv_cache_gb}")
             # Sized by the stage with the most layers, so no stage uses more than kv_cache_gb.
             per_block = kv_bytes_per_block(
                 model_config, max(len(r) for r in ranges), block_size, DTYPES[resolved_dtype]

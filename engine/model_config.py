@@ -83,7 +83,7 @@ class ModelConfig:
             if not isinstance(raw.get(key), int) or raw[key] <= 0:
                 raise ConfigError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # the same function under two names
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
         if raw.get("quantization_config"):
             raise ConfigError("config.json: quantized checkpoints (quantization_config) are not supported")
@@ -93,7 +93,8 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
             )
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        # Qwen3's config class defaults head_dim to 128, the others derive it.
+        head_dim = raw.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else raw["hidden_size"] // num_heads)
         rope = _parse_rope(raw, head_dim)
         num_layers = raw["num_hidden_layers"]
         bias = bool(raw.get("attention_bias", False))
@@ -125,6 +126,8 @@ class ModelConfig:
 
 def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); older files write `rope_theta` + `rope_scaling`.
+    if raw.get("rope_parameters") and raw.get("rope_scaling") and raw["rope_parameters"] != raw["rope_scaling"]:
+        raise ConfigError("config.json has both rope_parameters and rope_scaling, and they differ; keep one")
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -158,16 +161,20 @@ def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
 
 
 def _parse_sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        # Mistral applies its window to every layer; Llama has none.
-        return (window if arch == "MistralForCausalLM" else None,) * num_layers
+    if arch == "LlamaForCausalLM":
+        return (None,) * num_layers
+    # Defaults as in transformers' config classes (4096; Qwen uses it only on sliding layers).
+    window = raw.get("sliding_window", 4096)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    if arch == "MistralForCausalLM":
+        return (window,) * num_layers  # Mistral applies its window to every layer
     # Qwen: transformers 5 lists each layer's kind in layer_types (derived from use_sliding_window).
     layer_types = raw.get("layer_types")
     if layer_types is None:
         if not raw.get("use_sliding_window", False):
             return (None,) * num_layers
-        first_sliding = int(raw.get("max_window_layers", num_layers))
+        first_sliding = int(raw.get("max_window_layers", 28))
         layer_types = ["full_attention" if i < first_sliding else "sliding_attention" for i in range(num_layers)]
     if len(layer_types) != num_layers:
         raise ConfigError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from scheduler.sampling_params import GREEDY_BELOW
+
 
 class SamplerParams(Protocol):
     """What sampling reads: satisfied by SamplingParams and by its wire form."""
@@ -54,7 +56,7 @@ class _RequestState:
             else None
         )
         self.generator: torch.Generator | None = None
-        if params.seed is not None and params.temperature != 0:
+        if params.seed is not None and params.temperature >= GREEDY_BELOW:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
 
@@ -74,14 +76,13 @@ class Sampler:
         self._requests.pop(request_id, None)
 
     def sample(self, request_ids: Sequence[str], logits: torch.Tensor) -> list[Sample]:
-        """logits: [len(request_ids), vocab] float32 (may be wider than vocab_size: padded vocab)."""
+        """logits: [len(request_ids), vocab] float32."""
         states = [self._requests[r] for r in request_ids]
-        logits = logits[:, : self.vocab_size]
         want_logprobs = [s.params.logprobs is not None for s in states]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = apply_penalties(logits, states)
-        greedy = [i for i, s in enumerate(states) if s.params.temperature == 0]
+        greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_BELOW]
         if len(greedy) == len(states):  # the common all-greedy batch: no row gather
             token_ids = logits.argmax(dim=-1)
         else:
@@ -89,11 +90,12 @@ class Sampler:
             if greedy:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
         for i, state in enumerate(states):
-            if state.params.temperature == 0:
+            if state.params.temperature < GREEDY_BELOW:
                 continue
             probs = filtered_probs(logits[i], state.params)
             # Exponential race: argmax(p / E), E ~ Exp(1), draws from p exactly (Gumbel-max trick).
             noise = torch.empty_like(probs).exponential_(generator=state.generator or self._shared_generator)
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0/0 on a filtered-out token
             token_ids[i] = (probs / noise).argmax()
 
         chosen = token_ids.tolist()

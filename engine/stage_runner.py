@@ -14,6 +14,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model import StageModel, rope_inv_freq
+from engine.model_config import ConfigError
 from engine.weights import load_stage_weights
 from transport.messages import SeqChunk
 
@@ -32,9 +33,15 @@ class StageRunner:
         load_stage_weights(model, config.model, config.torch_dtype, self.device)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
         self.model = model.eval()
-        self.kv_cache = allocate_kv_cache(
-            mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
-        )
+        try:
+            self.kv_cache = allocate_kv_cache(
+                mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
+            )
+        except (RuntimeError, MemoryError) as e:
+            raise ConfigError(
+                f"cannot allocate the KV cache of stage {stage} ({config.num_kv_blocks} blocks) on "
+                f"{config.device}: {e}; lower --kv-cache-gb"
+            ) from None
 
     @torch.inference_mode()
     def execute(

@@ -51,6 +51,7 @@ class TinySpec:
     dtype: str = "float32"
     max_shard_size: str | None = None  # e.g. "200KB" to write several shards
     init_std: float = 0.1  # larger than transformers' 0.02 so logits are well separated
+    overrides: tuple[tuple[str, object], ...] = ()  # extra config.json fields, e.g. (("attention_bias", True),)
 
 
 def corpus(seed: int, sentences: int = 2000) -> list[str]:
@@ -118,6 +119,7 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Pa
     kwargs: dict[str, object] = {}
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
+    kwargs.update(dict(spec.overrides))
     config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

@@ -23,7 +23,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, str]:
     """Tensor name -> file name, for the single file or the sharded index."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{index} is not a valid index (no 'weight_map')") from None
+        for shard in sorted(set(weight_map.values())):
+            if not (model_dir / shard).is_file():
+                raise ConfigError(f"shard {shard} listed in {INDEX_FILE} is missing from {model_dir}")
         return weight_map
     single = model_dir / SINGLE_FILE
     if single.is_file():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from transport.messages import WireSamplingParams
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing by them overflows)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def wire(self) -> WireSamplingParams:
         """What the last stage needs to sample (stopping is decided on the host)."""

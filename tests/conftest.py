@@ -18,6 +18,14 @@ SPECS = {
     "mistral": TinySpec(arch="mistral", seed=2, sliding_window=24),  # prompts in tests exceed the window
     "qwen2": TinySpec(arch="qwen2", seed=3, rope_scaling="linear"),  # q/k/v bias
     "qwen3": TinySpec(arch="qwen3", seed=4, head_dim=24),  # q/k norm, head_dim != hidden / heads
+    # Less common variants of the same families.
+    "llama-bias": TinySpec(arch="llama", seed=5, overrides=(("attention_bias", True), ("mlp_bias", True))),
+    "qwen2-sliding": TinySpec(
+        arch="qwen2",
+        seed=6,
+        overrides=(("use_sliding_window", True), ("sliding_window", 16), ("max_window_layers", 2)),
+    ),
+    "qwen3-bias-tied": TinySpec(arch="qwen3", seed=7, tie_word_embeddings=True, overrides=(("attention_bias", True),)),
 }
 ARCHS = list(SPECS)
 

@@ -73,11 +73,29 @@ BASE = {
             {"architectures": ["Qwen3ForCausalLM"], "layer_types": ["full_attention"]},
             "layer_types has 1 entries for 2 layers",
         ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be a positive"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear"}},
+            "both rope_parameters and rope_scaling",
+        ),
     ],
 )
 def test_model_config_errors(change: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**BASE, **change})
+
+
+def test_defaults_follow_transformers() -> None:
+    """Keys a config may omit take transformers' defaults, not ours."""
+    mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"]})
+    assert mistral.sliding_windows == (4096, 4096)
+    qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+    assert qwen3.head_dim == 128
+    qwen2 = ModelConfig.from_dict(
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 30, "use_sliding_window": True}
+    )
+    assert qwen2.sliding_windows == (None,) * 28 + (4096, 4096)
+    assert ModelConfig.from_dict({**BASE, "hidden_act": "swish"}).architecture == "LlamaForCausalLM"
 
 
 def test_old_style_rope_and_qwen_sliding_layers() -> None:
@@ -113,6 +131,17 @@ def test_missing_files(tmp_path: Path, llama_dir: Path) -> None:
         EngineConfig.create(broken)
 
 
+def test_broken_shard_index(tmp_path: Path, sharded_dir: Path) -> None:
+    ckpt = _copy(sharded_dir, tmp_path / "s")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ConfigError, match=f"shard {shard.name} listed in model.safetensors.index.json is missing"):
+        LocalPipeline(EngineConfig.create(ckpt, num_kv_blocks=8))
+    (ckpt / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is not a valid index"):
+        LocalPipeline(EngineConfig.create(ckpt, num_kv_blocks=8))
+
+
 def test_missing_and_misshaped_tensors(tmp_path: Path, llama_dir: Path) -> None:
     ckpt = _copy(llama_dir, tmp_path / "m")
     tensors = load_file(ckpt / "model.safetensors")
@@ -136,7 +165,9 @@ def test_missing_and_misshaped_tensors(tmp_path: Path, llama_dir: Path) -> None:
         ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"max_model_len": 10**7}, "max_model_len must be in"),
-        ({"kv_cache_gb": 0.0}, "kv_cache_gb must be > 0"),
+        ({"kv_cache_gb": 0.0}, "kv_cache_gb must be a positive number"),
+        ({"kv_cache_gb": float("inf")}, "kv_cache_gb must be a positive number"),
+        ({"kv_cache_gb": float("nan")}, "kv_cache_gb must be a positive number"),
         ({"num_kv_blocks": 0}, "at least one block"),
         ({"pp_size": 2, "layer_partition": "1,2"}, "sums to 3 but the model has 4 layers"),
     ],

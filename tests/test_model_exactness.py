@@ -51,13 +51,13 @@ def test_split_equals_unsplit_bitwise(checkpoints: dict[str, Path], arch: str) -
         assert split.generate([prompt], GREEDY)[0].token_ids == reference_tokens, (pp, partition)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize(("arch", "block_size"), [(a, 16) for a in ARCHS] + [("llama", 1), ("mistral", 3)])
+def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str, block_size: int) -> None:
     """8 prompts of different lengths, prefilled together in random chunk sizes (1-token chunks
     included), then decoded together: each gets exactly the tokens it gets alone."""
     rng = random.Random(11)
     prompts = [random_prompt(rng, n) for n in (1, 2, 5, 16, 17, 33, 48, 70)]
-    pipe = pipeline(checkpoints[arch], pp_size=2)
+    pipe = pipeline(checkpoints[arch], pp_size=2, block_size=block_size, num_kv_blocks=4096 // block_size)
     alone = [pipe.generate([p], GREEDY, chunk_size=4096)[0].token_ids for p in prompts]
 
     from engine.sampler import Sampler  # the batch is driven by hand here to control chunking

@@ -81,14 +81,16 @@ def test_penalties_match_reference() -> None:
 def test_greedy_is_argmax_and_logprobs() -> None:
     sampler = Sampler(VOCAB, torch.device("cpu"))
     sampler.add_request("g", SamplingParams(temperature=0.0, logprobs=3))
-    logits = torch.randn(1, VOCAB + 6, generator=torch.Generator().manual_seed(1))  # padded vocab
-    logits[0, VOCAB:] = 100.0  # padding columns must never win
-    out = sampler.sample(["g"], logits)[0]
-    raw = torch.log_softmax(logits[0, :VOCAB], -1)
-    assert out.token_id == int(raw.argmax())
+    sampler.add_request("tiny", SamplingParams(temperature=1e-30))  # dividing by it would overflow: greedy
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[1] = logits[0]
+    out, tiny = sampler.sample(["g", "tiny"], logits)
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.token_id == tiny.token_id == int(raw.argmax())
     assert out.logprob == pytest.approx(raw.max().item())
     assert [t for t, _ in out.top_logprobs] == raw.topk(3).indices.tolist()
     assert [lp for _, lp in out.top_logprobs] == pytest.approx(raw.topk(3).values.tolist())
+    assert tiny.logprob is None and tiny.top_logprobs == ()
 
 
 def _draw(sampler: Sampler, ids: list[str], logits: torch.Tensor, steps: int) -> dict[str, list[int]]:
