@@ -65,7 +65,7 @@ class StagePool:
                 elem = cfg.torch_dtype.itemsize
                 slot_bytes = cfg.max_batched_tokens * cfg.model_config.hidden_size * elem
                 ring = allocate_ring(cfg.pp_size + cfg.async_depth, slot_bytes)
-            specs.append(ChannelSpec(cfg.tensor_transport, i, self.addresses.edge(i), ring))
+            specs.append(ChannelSpec(cfg.tensor_transport, i, i + 1, self.addresses.edge(i), ring))
         return specs
 
     async def start(self) -> None:

@@ -32,8 +32,9 @@ class PushSocket:
     async def send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
         await self.sock.send_multipart(frames, copy=False)
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms: how long queued messages may still go out (0: dropped at once)."""
+        self.sock.close(linger=linger_ms)
 
 
 class PullSocket:

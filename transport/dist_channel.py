@@ -24,7 +24,7 @@ class DistChannel(TensorChannel):
         super().__init__(ctx, spec, sender=sender)
         if not dist.is_initialized():
             raise RuntimeError(f"{spec.kind} channel: torch.distributed is not initialised in this process")
-        self.peer = spec.stage + 1 if sender else spec.stage
+        self.peer = spec.dst if sender else spec.src
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.kind}-wait")
 
     async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
@@ -47,18 +47,18 @@ class DistChannel(TensorChannel):
         await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
         return buf
 
-    def close(self) -> None:
-        super().close()
+    def close(self, linger_ms: int = 0) -> None:
+        super().close(linger_ms)
         self._waiter.shutdown(wait=False, cancel_futures=True)
 
 
-def init_process_group(kind: str, stage: int, pp_size: int, master: str, port: int, timeout_s: float = 60) -> None:
+def init_process_group(kind: str, rank: int, world_size: int, master: str, port: int, timeout_s: float = 60) -> None:
     from datetime import timedelta
 
     dist.init_process_group(
         backend=kind,
         init_method=f"tcp://{master}:{port}",
-        rank=stage,
-        world_size=pp_size,
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )

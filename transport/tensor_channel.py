@@ -30,7 +30,8 @@ class ChannelSpec:
     """Everything both ends of one edge need; made by the host, pickled to the stage processes."""
 
     kind: str  # resolved: shm | gloo | nccl | zmq
-    stage: int  # the sending stage; the receiver is stage + 1
+    src: int  # sending rank (a stage index in the pipeline)
+    dst: int  # receiving rank
     address: str  # ZeroMQ address of the header socket (bound by the receiver)
     ring: torch.Tensor | None = None  # shm: [slots, slot_bytes] uint8 in shared memory
 
@@ -76,14 +77,15 @@ class TensorChannel(ABC):
         device: torch.device,
     ) -> torch.Tensor: ...
 
-    def close(self) -> None:
-        for sock in (self.push, self.pull):
-            if sock is not None:
-                sock.close()
+    def close(self, linger_ms: int = 0) -> None:
+        if self.push is not None:
+            self.push.close(linger_ms)
+        if self.pull is not None:
+            self.pull.close()
 
 
 def open_channel(ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> TensorChannel:
-    """One end of an edge: the sender is stage `spec.stage`, the receiver stage `spec.stage + 1`."""
+    """One end of an edge: `sender` for rank `spec.src`, else for rank `spec.dst`."""
     if spec.kind == "shm":
         from transport.shm_channel import ShmChannel
 

@@ -1,0 +1,265 @@
+"""Pipeline benchmarks, side by side in one run; writes benchmarks/results/pipeline.json.
+
+(a) decode throughput with 64 concurrent requests: PP=2 (one thread per stage) over PP=1 (one
+    thread), on a model whose layers dominate its compute;
+(b) scheduler + transport overhead: micro-batches per second through PP=4 with near-zero
+    compute, the per-hop latency seen in the stage timings, and a raw ZeroMQ round trip;
+(c) tensor-channel round trips for 1 KB, 1 MB and 64 MB over shm, gloo and zmq.
+
+    python scripts/bench_pipeline.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+from transport.addresses import free_port_block  # noqa: E402
+from transport.messages import EdgeHeader  # noqa: E402
+from transport.tensor_channel import ChannelSpec, open_channel  # noqa: E402
+
+# Layers dominate: 16 layers of width 512 (50M parameters) against a 4K vocabulary.
+COMPUTE_SPEC = TinySpec(
+    arch="llama", hidden_size=512, num_layers=16, num_heads=8, num_kv_heads=4, intermediate_size=1536, vocab_size=4096
+)
+TINY_SPEC = TinySpec(arch="llama", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+async def decode_throughput(model_dir: Path, pp: int, requests: int, new_tokens: int) -> dict[str, float]:
+    """Tokens per second once every request is decoding (prefill excluded)."""
+    config = EngineConfig.create(
+        model_dir, pp_size=pp, threads_per_stage=1, num_kv_blocks=2048, max_running_requests=requests
+    )
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    arrivals: list[float] = []
+    first_tokens: list[float] = []
+
+    async def one(engine: AsyncEngine, i: int) -> None:
+        prompt = [10 + (i * 7 + j) % 4000 for j in range(32)]
+        first = True
+        async for out in engine.generate(prompt, params):
+            now = time.perf_counter()
+            if first:
+                first_tokens.append(now)
+                first = False
+            arrivals.extend([now] * len(out.token_ids))
+
+    async with AsyncEngine(config) as engine:
+        await asyncio.gather(*[one(engine, i) for i in range(min(8, requests))])  # warm-up
+        arrivals.clear()
+        first_tokens.clear()
+        await asyncio.gather(*[one(engine, i) for i in range(requests)])
+    steady = max(first_tokens)
+    tokens = sum(1 for t in arrivals if t > steady)
+    return {"tokens_per_s": tokens / (max(arrivals) - steady), "requests": requests, "new_tokens": new_tokens}
+
+
+async def overhead(model_dir: Path, seconds: float) -> dict[str, float]:
+    """Micro-batches per second through PP=4 on a model with next to no compute."""
+    config = EngineConfig.create(model_dir, pp_size=4, threads_per_stage=1, num_kv_blocks=512)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+
+        async def run(i: int) -> None:
+            async for _ in engine.generate([5 + i, 6, 7], params):
+                pass
+
+        tasks = [asyncio.create_task(run(i)) for i in range(8)]
+        await asyncio.sleep(1.0)  # warm-up
+        start_mb = len(engine.timings)
+        start = time.perf_counter()
+        await asyncio.sleep(seconds)
+        elapsed = time.perf_counter() - start
+        results = list(engine.timings)[-(len(engine.timings) - start_mb) :]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    mbs = len(results) / elapsed
+    # Hop latency: from stage i's compute end to stage i+1's compute start, same micro-batch.
+    hops = [
+        (b.start - a.end) * 1e6
+        for r in results
+        for a, b in zip(r.timings, r.timings[1:], strict=False)
+        if b.start >= a.end
+    ]
+    compute = [(t.end - t.start) * 1e6 for r in results for t in r.timings]
+    return {
+        "micro_batches_per_s": mbs,
+        "hop_us_median": statistics.median(hops),
+        "stage_compute_us_median": statistics.median(compute),
+    }
+
+
+def _zmq_echo(address: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(address + "-a")
+    push.connect(address + "-b")
+    while (msg := pull.recv()) != b"stop":
+        push.send(msg)
+    ctx.destroy(linger=0)
+
+
+def raw_zmq_round_trip_us(n: int = 2000) -> float:
+    import multiprocessing as mp
+
+    import zmq
+
+    path = tempfile.mkdtemp(prefix="ppserve-bench-")
+    address = f"ipc://{path}/echo"
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(address + "-a")
+    pull.bind(address + "-b")
+    proc = mp.get_context("spawn").Process(target=_zmq_echo, args=(address,))
+    proc.start()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        push.send(b"x" * 64)
+        pull.recv()
+        times.append(time.perf_counter() - start)
+    push.send(b"stop")
+    proc.join()
+    ctx.destroy(linger=0)
+    return statistics.median(times[100:]) * 1e6
+
+
+def _channel_peer(kind: str, specs: tuple[ChannelSpec, ChannelSpec], port: int, sizes: list[int], reps: int) -> None:
+    """Rank 1: receive each tensor and send it straight back."""
+    asyncio.run(_channel_side(1, kind, specs, port, sizes, reps, None))
+
+
+async def _channel_side(
+    rank: int,
+    kind: str,
+    specs: tuple[ChannelSpec, ChannelSpec],
+    port: int,
+    sizes: list[int],
+    reps: int,
+    out: dict[str, float] | None,
+) -> None:
+    import zmq.asyncio
+
+    if kind == "gloo":
+        from transport.dist_channel import init_process_group
+
+        init_process_group("gloo", rank, 2, "127.0.0.1", port)
+    ctx = zmq.asyncio.Context()
+    forward, back = specs  # rank 0 -> 1, rank 1 -> 0
+    outgoing = open_channel(ctx, forward if rank == 0 else back, sender=True)
+    incoming = open_channel(ctx, back if rank == 0 else forward, sender=False)
+    header = EdgeHeader(0, [])
+    for size in sizes:
+        shape = (size // 4,)
+        tensor = torch.ones(shape)
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            if rank == 0:
+                await outgoing.send(header, tensor)
+                await incoming.recv(shape, torch.float32, torch.device("cpu"))
+            else:
+                _, got = await incoming.recv(shape, torch.float32, torch.device("cpu"))
+                await outgoing.send(header, got)
+            times.append(time.perf_counter() - start)
+        if out is not None:
+            out[str(size)] = statistics.median(times[1:]) * 1e6
+    outgoing.close(linger_ms=5000)  # let the last reply leave before the socket goes
+    incoming.close()
+    ctx.term()
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def channel_round_trips(kind: str, sizes: list[int], reps: int) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    from transport.shm_channel import allocate_ring
+
+    path = tempfile.mkdtemp(prefix="ppserve-bench-")
+    rings = [allocate_ring(2, max(sizes)) if kind == "shm" else None for _ in range(2)]
+    specs = (
+        ChannelSpec(kind, 0, 1, f"ipc://{path}/fwd", rings[0]),
+        ChannelSpec(kind, 1, 0, f"ipc://{path}/back", rings[1]),
+    )
+    port = free_port_block(1)
+    proc = mp.get_context("spawn").Process(target=_channel_peer, args=(kind, specs, port, sizes, reps))
+    proc.start()
+    out: dict[str, float] = {}
+    asyncio.run(_channel_side(0, kind, specs, port, sizes, reps, out))
+    proc.join()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer tokens and repetitions (a smoke run)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/pipeline.json"))
+    args = p.parse_args()
+    new_tokens = 16 if args.quick else 48
+    reps = 5 if args.quick else 20
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        compute_dir = make_tiny_checkpoint(Path(tmp) / "compute", COMPUTE_SPEC)
+        tiny_dir = make_tiny_checkpoint(Path(tmp) / "tiny", TINY_SPEC)
+        pp1 = asyncio.run(decode_throughput(compute_dir, 1, 64, new_tokens))
+        pp2 = asyncio.run(decode_throughput(compute_dir, 2, 64, new_tokens))
+        over = asyncio.run(overhead(tiny_dir, 2.0 if args.quick else 5.0))
+    over["raw_zmq_round_trip_us"] = raw_zmq_round_trip_us()
+    sizes = [1024, 1024**2, 64 * 1024**2]
+    channels = {kind: channel_round_trips(kind, sizes, reps) for kind in ("shm", "gloo", "zmq")}
+
+    report = {
+        "benchmark": "pipeline",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "torch": torch.__version__,
+        "decode_64_concurrent": {
+            "model_params_m": 50.3,
+            "pp1": pp1,
+            "pp2": pp2,
+            "ratio_pp2_over_pp1": pp2["tokens_per_s"] / pp1["tokens_per_s"],
+        },
+        "overhead_pp4_near_zero_compute": over,
+        "channel_round_trip_us": channels,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    d = report["decode_64_concurrent"]
+    print(
+        f"(a) decode, 64 concurrent: PP=1 {pp1['tokens_per_s']:.0f} tok/s, PP=2 {pp2['tokens_per_s']:.0f} tok/s, "
+        f"ratio {d['ratio_pp2_over_pp1']:.2f}"  # type: ignore[index]
+    )
+    print(
+        f"(b) PP=4 overhead: {over['micro_batches_per_s']:.0f} micro-batches/s, hop {over['hop_us_median']:.0f} us, "
+        f"raw ZeroMQ round trip {over['raw_zmq_round_trip_us']:.0f} us"
+    )
+    for kind, rt in channels.items():
+        print(f"(c) {kind:4s} round trip: " + ", ".join(f"{int(k) // 1024} KB {v:.0f} us" for k, v in rt.items()))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
