@@ -31,8 +31,11 @@ class PipelineDriver:
         self._wake.set()
 
     def on_result(self, result: StepResult) -> None:
-        self.on_outputs(self.scheduler.update(result), result)
+        outputs = self.scheduler.update(result)
+        # Plan the next micro-batch before handing out tokens: the stages wait on the plan,
+        # while detokenizing and waking the readers of 100s of streams can wait a moment.
         self.wake()
+        asyncio.get_running_loop().call_soon(self.on_outputs, outputs, result)
 
     async def run(self) -> None:
         while True:

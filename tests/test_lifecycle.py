@@ -1,0 +1,88 @@
+"""Process lifetime: no orphans and no socket files, however the host goes away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HOST = """
+import asyncio, json, sys
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+
+async def main():
+    config = EngineConfig.create(sys.argv[1], pp_size=2, num_kv_blocks=64, threads_per_stage=1)
+    async with AsyncEngine(config) as engine:
+        pool = engine._pool
+        print(json.dumps({"pids": [p.pid for p in pool.procs], "ipc": pool.addresses.ipc_dir}), flush=True)
+        await asyncio.sleep(3600)
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"stage processes still alive: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.05)
+
+
+def _start_host(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    script = tmp_path / "host.py"
+    script.write_text(HOST)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read() if proc.stderr else "host printed nothing"
+    info = json.loads(line)
+    return proc, info
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly(tmp_path: Path, llama_dir: Path, sig: signal.Signals) -> None:
+    proc, info = _start_host(tmp_path, llama_dir)
+    pids = info["pids"]
+    assert isinstance(pids, list) and all(_alive(p) for p in pids)
+    with open(f"/proc/{pids[0]}/comm") as f:
+        assert f.read().strip() == "ppserve-stage-0"
+    proc.send_signal(sig)
+    assert proc.wait(timeout=20) == 130
+    _wait_gone(pids)
+    assert not Path(str(info["ipc"])).exists(), "socket files left behind"
+
+
+def test_stages_exit_when_the_host_is_killed(tmp_path: Path, llama_dir: Path) -> None:
+    proc, info = _start_host(tmp_path, llama_dir)
+    pids = info["pids"]
+    assert isinstance(pids, list)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    _wait_gone(pids, timeout_s=5)
