@@ -200,7 +200,9 @@ class StageWorker:
     async def _heartbeat(self) -> None:
         while True:
             if os.getppid() != self.launch.parent_pid:
+                # The host was killed and could not clean up: remove its socket files, then go.
                 print(f"ppserve-stage-{self.stage}: host process is gone, exiting", file=sys.stderr)
+                self.launch.addresses.cleanup()
                 os._exit(1)
             await self.inbox.send(Heartbeat(self.stage))
             await asyncio.sleep(HEARTBEAT_S)
@@ -222,9 +224,5 @@ class StageWorker:
 
 def _set_process_name(name: str) -> None:
     """The OS-level name (what `ps -o comm` and `top` show), Linux only."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL: die with the host
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

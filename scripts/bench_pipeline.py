@@ -124,8 +124,8 @@ def raw_zmq_round_trip_us(n: int = 2000) -> float:
 
     import zmq
 
-    path = tempfile.mkdtemp(prefix="ppserve-bench-")
-    address = f"ipc://{path}/echo"
+    tmp = tempfile.TemporaryDirectory(prefix="ppserve-bench-")
+    address = f"ipc://{tmp.name}/echo"
     ctx = zmq.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     push.bind(address + "-a")
@@ -141,6 +141,7 @@ def raw_zmq_round_trip_us(n: int = 2000) -> float:
     push.send(b"stop")
     proc.join()
     ctx.destroy(linger=0)
+    tmp.cleanup()
     return statistics.median(times[100:]) * 1e6
 
 
@@ -198,11 +199,11 @@ def channel_round_trips(kind: str, sizes: list[int], reps: int) -> dict[str, flo
 
     from transport.shm_channel import allocate_ring
 
-    path = tempfile.mkdtemp(prefix="ppserve-bench-")
+    tmp = tempfile.TemporaryDirectory(prefix="ppserve-bench-")
     rings = [allocate_ring(2, max(sizes)) if kind == "shm" else None for _ in range(2)]
     specs = (
-        ChannelSpec(kind, 0, 1, f"ipc://{path}/fwd", rings[0]),
-        ChannelSpec(kind, 1, 0, f"ipc://{path}/back", rings[1]),
+        ChannelSpec(kind, 0, 1, f"ipc://{tmp.name}/fwd", rings[0]),
+        ChannelSpec(kind, 1, 0, f"ipc://{tmp.name}/back", rings[1]),
     )
     port = free_port_block(1)
     proc = mp.get_context("spawn").Process(target=_channel_peer, args=(kind, specs, port, sizes, reps))
@@ -210,6 +211,7 @@ def channel_round_trips(kind: str, sizes: list[int], reps: int) -> dict[str, flo
     out: dict[str, float] = {}
     asyncio.run(_channel_side(0, kind, specs, port, sizes, reps, out))
     proc.join()
+    tmp.cleanup()
     return out
 
 

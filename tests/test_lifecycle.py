@@ -86,3 +86,4 @@ def test_stages_exit_when_the_host_is_killed(tmp_path: Path, llama_dir: Path) ->
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     _wait_gone(pids, timeout_s=5)
+    assert not Path(str(info["ipc"])).exists(), "socket files left behind"
