@@ -37,6 +37,9 @@ class EngineConfig:
     async_depth: int = 1  # plans in flight beyond one per stage
     threads_per_stage: int = 1
     stage_start_timeout_s: float = 120.0
+    # Control plane over tcp:// on these addresses (one per stage; the host listens on the first)
+    # instead of ipc:// sockets in a private directory.
+    stage_hosts: tuple[str, ...] = ()
 
     @classmethod
     def create(
@@ -58,6 +61,7 @@ class EngineConfig:
         async_depth: int = 1,
         threads_per_stage: int | None = None,
         stage_start_timeout_s: float = 120.0,
+        stage_hosts: tuple[str, ...] = (),
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -105,8 +109,10 @@ class EngineConfig:
             threads_per_stage = max(1, (os.cpu_count() or 1) // pp_size)
         if threads_per_stage < 1:
             raise ConfigError(f"threads_per_stage must be >= 1, got {threads_per_stage}")
+        if stage_hosts and len(stage_hosts) != pp_size:
+            raise ConfigError(f"stage_hosts names {len(stage_hosts)} hosts for {pp_size} stages")
         try:
-            transport = resolve_kind(tensor_transport, device, same_host=True)
+            transport = resolve_kind(tensor_transport, device, same_host=len(set(stage_hosts)) <= 1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return cls(
@@ -126,6 +132,7 @@ class EngineConfig:
             async_depth=async_depth,
             threads_per_stage=threads_per_stage,
             stage_start_timeout_s=stage_start_timeout_s,
+            stage_hosts=tuple(stage_hosts),
         )
 
     @property

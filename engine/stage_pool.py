@@ -45,7 +45,11 @@ class StagePool:
         self.config = config
         self.on_result = on_result
         self.on_failure = on_failure
-        self.addresses = Addresses.ipc(config.pp_size)
+        self.addresses = (
+            Addresses.tcp(config.pp_size, config.stage_hosts[0], config.stage_hosts)
+            if config.stage_hosts
+            else Addresses.ipc(config.pp_size)
+        )
         self.ctx = context()
         self.inbox = PullSocket(self.ctx, self.addresses.host_inbox(), bind=True)
         self.plan_socks = [PushSocket(self.ctx, self.addresses.plans(i), bind=True) for i in range(config.pp_size)]
