@@ -99,13 +99,13 @@ class Scheduler:
         for r in list(self.running):
             if len(items) >= cap or budget == 0:
                 break
-            if r.finished or r.awaiting_sample or r.num_scheduled_tokens >= r.num_tokens:
+            if not r.block_table:
+                continue  # preempted just now (a running request always holds blocks)
+            if r.awaiting_sample or r.num_scheduled_tokens >= r.num_tokens:
                 continue
             n = min(r.num_tokens - r.num_scheduled_tokens, budget, cfg.chunked_prefill_size)
-            if not self._reserve(r, n, protect={id(x) for x, _ in items}):
-                continue
-            items.append((r, n))
-            budget -= n
+            if self._reserve(r, n):
+                budget -= self._take(r, n, items)
 
         while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
             r = self.waiting[0]
@@ -114,27 +114,27 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(r)
-            self._reserve(r, n, protect=set())
-            items.append((r, n))
-            budget -= n
+            self._reserve(r, n)
+            budget -= self._take(r, n, items)
 
         if not items:
             return None
         return self._emit(items)
 
-    def _reserve(self, r: Request, n: int, protect: set[int]) -> bool:
+    @staticmethod
+    def _take(r: Request, n: int, items: list[tuple[Request, int]]) -> int:
+        """Put n tokens of r in the plan being built; it counts as in flight from now on (so it is
+        never preempted while the plan is assembled)."""
+        r.inflight_plans += 1
+        items.append((r, n))
+        return n
+
+    def _reserve(self, r: Request, n: int) -> bool:
         """Make sure r's blocks cover n more tokens, preempting others if needed."""
         need = self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table)
         while need > self.allocator.num_free:
-            victim = next(
-                (
-                    v
-                    for v in reversed(self.running)
-                    if v is not r and v.inflight_plans == 0 and v.block_table and id(v) not in protect
-                ),
-                None,
-            )
-            if victim is None:
+            victim = next((v for v in reversed(self.running) if v.inflight_plans == 0 and v.block_table), None)
+            if victim is None or victim is r:
                 return False
             self._preempt(victim)
         self.allocator.grow(r.block_table, r.num_scheduled_tokens + n)
@@ -159,7 +159,6 @@ class Scheduler:
                 SeqChunk(r.request_id, r.all_token_ids[start : start + n], start, list(r.block_table), sample)
             )
             r.num_scheduled_tokens += n
-            r.inflight_plans += 1
             r.awaiting_sample = sample
             if not r.announced:
                 r.announced = True
