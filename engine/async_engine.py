@@ -17,6 +17,7 @@ import itertools
 import os
 import signal
 import threading
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -68,7 +69,7 @@ class AsyncEngine:
         self._driver: PipelineDriver | None = None
         self._driver_task: asyncio.Task[None] | None = None
         self.error: Exception | None = None
-        self.timings: list[StepResult] = []  # recent results, for the timeline and tests
+        self.timings: deque[StepResult] = deque(maxlen=1024)  # recent results (timeline, tests)
         self._closed = False
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -76,7 +77,7 @@ class AsyncEngine:
     async def start(self) -> AsyncEngine:
         pool = StagePool(self.config, self._on_result, self._on_failure)
         self._pool = pool
-        atexit.register(_kill_at_exit, pool)
+        atexit.register(pool.kill_now)
         try:
             await pool.start()
         except BaseException:
@@ -99,7 +100,7 @@ class AsyncEngine:
         self._fail_streams(self.error)
         if self._pool is not None:
             await self._pool.close()
-            atexit.unregister(_kill_at_exit)
+            atexit.unregister(self._pool.kill_now)
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -173,7 +174,6 @@ class AsyncEngine:
 
     def _on_result(self, result: StepResult) -> None:
         self.timings.append(result)
-        del self.timings[:-1024]
         if self._driver is not None:
             self._driver.on_result(result)
 
@@ -240,11 +240,3 @@ def _sigterm_as_sigint() -> None:
     """Treat SIGTERM like Ctrl-C (so `async with` cleans up), unless the application set its own."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-
-
-def _kill_at_exit(pool: StagePool) -> None:
-    """Last resort if the interpreter exits without close(): no orphans, no socket files."""
-    for proc in pool.procs:
-        if proc.is_alive():
-            proc.kill()
-    pool.addresses.cleanup()

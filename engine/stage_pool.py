@@ -158,6 +158,13 @@ class StagePool:
             self.failed = error
             self.on_failure(error)
 
+    def kill_now(self) -> None:
+        """Last resort when the interpreter exits without close(): no orphans, no socket files."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        self.addresses.cleanup()
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Ask every stage to stop, wait briefly, then kill what is left; remove socket files."""
         for task in self._tasks:
