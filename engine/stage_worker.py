@@ -177,16 +177,17 @@ class StageWorker:
         out = self.runner.execute(plan.chunks, hidden)
         if not self.last:
             return out
+        # Released requests have nothing in flight any more; drop them first, since a new
+        # request in this very plan may reuse an id.
+        for rid in plan.released:
+            self.sampler.remove_request(rid)
         for new in plan.new_requests:
             self.sampler.add_request(new.request_id, new.params)
         ids = [c.request_id for c in plan.chunks if c.sample]
-        samples = [
+        return [
             Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
             for rid, s in zip(ids, self.sampler.sample(ids, out), strict=True)
         ]
-        for rid in plan.released:
-            self.sampler.remove_request(rid)
-        return samples
 
     async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:
         while (item := await outputs.get()) is not None:

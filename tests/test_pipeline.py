@@ -124,6 +124,11 @@ async def test_abort_and_many_concurrent_requests(llama_dir: Path) -> None:
         assert all(out == reference[tuple(p)] for p, out in zip(prompts, outs, strict=True))
         assert alloc.num_free == alloc.num_blocks
 
+        # A finished request's id can be used again.
+        for _ in range(2):
+            again = [t async for out in engine.generate(distinct[0], GREEDY, request_id="same") for t in out.token_ids]
+            assert again == reference[tuple(distinct[0])]
+
 
 async def test_killed_stage_fails_requests_fast(llama_dir: Path) -> None:
     engine = await AsyncEngine(engine_config(llama_dir, 2)).start()
