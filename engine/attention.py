@@ -14,6 +14,7 @@ each prefill chunk gets its own call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +53,27 @@ class DecodeGroup:
     masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_blocks * block_size] bool
 
 
+class GatherBuffers:
+    """Reusable destination of the per-layer KV gathers, grown on demand and kept.
+
+    A gather of a large batch is several MB; allocating it afresh for every layer of every step
+    goes to mmap/munmap and page faults, which cost 10-100x the copy itself on CPU.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None, None]  # keys, values
+
+    def gather(self, which: int, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """cache[blocks] ([n, block_size, kv_heads, head_dim]) into buffer `which` (0 keys, 1 values)."""
+        shape = (blocks.numel(), *cache.shape[1:])
+        buf = self._bufs[which]
+        if buf is None or buf.numel() < math.prod(shape) or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty(math.prod(shape), dtype=cache.dtype, device=cache.device)
+            self._bufs[which] = buf
+        out = buf[: math.prod(shape)].view(shape)
+        return torch.index_select(cache, 0, blocks, out=out)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs about a batch; built once per step, shared by all layers."""
@@ -59,6 +81,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot (block * block_size + offset)
     decode: DecodeGroup | None
     prefills: tuple[PrefillGroup, ...]
+    buffers: GatherBuffers
 
     @classmethod
     def build(
@@ -67,6 +90,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         windows: Iterable[int | None] = (None,),
+        buffers: GatherBuffers | None = None,
     ) -> AttentionMetadata:
         """`windows`: the sliding windows of the layers that will use this metadata (masks are
         built once here rather than once per layer)."""
@@ -116,6 +140,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode=decode,
             prefills=tuple(prefills),
+            buffers=buffers or GatherBuffers(),
         )
 
 
@@ -159,8 +184,8 @@ def paged_attention(
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for group in md.prefills:
         # keys: [1, kv_heads, context_len, head_dim]
-        keys = k_cache.index_select(0, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
-        values = v_cache.index_select(0, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
+        keys = md.buffers.gather(0, k_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
+        values = md.buffers.gather(1, v_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
         query = q[group.rows].transpose(0, 1).unsqueeze(0)
         mask = group.masks[window]
         o = F.scaled_dot_product_attention(
@@ -179,8 +204,8 @@ def paged_attention(
         # keys: [batch, kv_heads, max_blocks * block_size, head_dim]; padding is masked out below.
         # (index_select on the flat table is several times faster than advanced indexing.)
         flat = d.block_tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        keys = md.buffers.gather(0, k_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        values = md.buffers.gather(1, v_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[d.rows].unsqueeze(2), keys, values, attn_mask=d.masks[window], scale=scale, enable_gqa=True
         )

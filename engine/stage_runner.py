@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, GatherBuffers
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model import StageModel, rope_inv_freq
@@ -33,6 +33,7 @@ class StageRunner:
         load_stage_weights(model, config.model, config.torch_dtype, self.device)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
         self.model = model.eval()
+        self.gather_buffers = GatherBuffers()
         try:
             self.kv_cache = allocate_kv_cache(
                 mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
@@ -58,7 +59,7 @@ class StageRunner:
         positions = torch.tensor(
             [p for c in chunks for p in range(c.start, c.start + c.num_new)], dtype=torch.long, device=device
         )
-        md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows)
+        md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows, self.gather_buffers)
         if self.first:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
         else:

@@ -64,6 +64,7 @@ class StageLaunch:
 def stage_main(launch: StageLaunch) -> None:
     """Process entry point (spawn)."""
     _set_process_name(f"ppserve-stage-{launch.stage}")
+    _keep_freed_memory()
     torch.set_num_threads(launch.threads)
     try:
         import uvloop
@@ -221,6 +222,16 @@ class StageWorker:
         self.plans.close()
         self.compute_pool.shutdown(wait=False, cancel_futures=True)
         self.ctx.term()
+
+
+def _keep_freed_memory() -> None:
+    """Tell glibc to serve big blocks from its heap and keep freed memory: a stage allocates
+    and frees the same multi-MB activations every step, and handing them back to the OS each
+    time turns every step into thousands of page faults."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
 
 
 def _set_process_name(name: str) -> None:
