@@ -7,12 +7,12 @@ just how far behind the computed count is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from scheduler.sampling_params import SamplingParams
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop token (stop strings are matched on text, by the engine)
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"
