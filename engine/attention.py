@@ -78,6 +78,7 @@ class GatherBuffers:
 class AttentionMetadata:
     """Everything attention needs about a batch; built once per step, shared by all layers."""
 
+    positions: torch.Tensor  # [num_tokens] long: each new token's position in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot (block * block_size + offset)
     decode: DecodeGroup | None
     prefills: tuple[PrefillGroup, ...]
@@ -96,6 +97,7 @@ class AttentionMetadata:
         built once here rather than once per layer)."""
         windows = tuple(set(windows))
         slots: list[int] = []
+        token_positions: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[Sequence[int]] = []
         decode_pos: list[int] = []
@@ -108,6 +110,7 @@ class AttentionMetadata:
             needed = -(-end // block_size)
             if len(span.block_table) < needed:
                 raise ValueError(f"block table has {len(span.block_table)} blocks, {end} tokens need {needed}")
+            token_positions.extend(range(span.start, end))
             for pos in range(span.start, end):
                 slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
             if span.num_new == 1:
@@ -137,6 +140,7 @@ class AttentionMetadata:
                 masks={w: _mask(q_pos, width * block_size, w)[:, None, None, :] for w in windows},
             )
         return cls(
+            positions=torch.tensor(token_positions, dtype=torch.long, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode=decode,
             prefills=tuple(prefills),

@@ -56,9 +56,6 @@ class StageRunner:
         (`all_logits`: [num_tokens, vocab], for prompt logprobs).
         """
         device = self.device
-        positions = torch.tensor(
-            [p for c in chunks for p in range(c.start, c.start + c.num_new)], dtype=torch.long, device=device
-        )
         md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows, self.gather_buffers)
         if self.first:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
@@ -66,7 +63,7 @@ class StageRunner:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs hidden states from stage {self.stage - 1}")
             inputs = hidden.to(device)
-        h = self.model(inputs, positions, self.kv_cache, md)
+        h = self.model(inputs, md.positions, self.kv_cache, md)
         if not self.last:
             return h
         if all_logits:
