@@ -156,7 +156,8 @@ class StageWorker:
             header, hidden = None, None
             if self.inbound is not None:
                 rows = sum(c.num_new for c in msg.chunks)
-                header, hidden = await self.inbound.recv((rows, hidden_size), self.config.torch_dtype, device)
+                hidden = torch.empty((rows, hidden_size), dtype=self.config.torch_dtype, device=device)
+                header = await self.inbound.recv(hidden)
                 if header.mb_id != msg.mb_id:
                     raise RuntimeError(
                         f"stage {self.stage}: activations of micro-batch {header.mb_id} for plan {msg.mb_id}"

@@ -33,19 +33,10 @@ class DistChannel(TensorChannel):
         assert work is not None
         await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
 
-    async def _recv_tensor(
-        self,
-        header: EdgeHeader,
-        frames: list[zmq.Frame],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, src=self.peer)
+    async def _recv_into(self, header: EdgeHeader, frames: list[zmq.Frame], out: torch.Tensor) -> None:
+        work = dist.irecv(out, src=self.peer)
         assert work is not None
         await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
-        return buf
 
     def close(self, linger_ms: int = 0) -> None:
         super().close(linger_ms)

@@ -38,17 +38,9 @@ class ShmChannel(TensorChannel):
         ring[slot, : data.numel()].copy_(data)
         await self.push.send_frames([encode(EdgeHeader(header.mb_id, header.timings, slot))])
 
-    async def _recv_tensor(
-        self,
-        header: EdgeHeader,
-        frames: list[zmq.Frame],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        slot = header.slot
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        return self._ring()[slot, :nbytes].view(dtype).view(shape).to(device=device, copy=True)
+    async def _recv_into(self, header: EdgeHeader, frames: list[zmq.Frame], out: torch.Tensor) -> None:
+        nbytes = out.numel() * out.element_size()
+        out.copy_(self._ring()[header.slot, :nbytes].view(out.dtype).view(out.shape))
 
 
 def allocate_ring(slots: int, slot_bytes: int) -> torch.Tensor:

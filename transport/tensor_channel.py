@@ -59,23 +59,16 @@ class TensorChannel(ABC):
         assert self.push is not None, "send on the receiving end"
         await self.push.send_frames([encode(header)])
 
-    async def recv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> tuple[EdgeHeader, torch.Tensor]:
+    async def recv(self, out: torch.Tensor) -> EdgeHeader:
+        """Receive the next tensor into `out` (its shape, dtype and device say what to expect)."""
         assert self.pull is not None, "recv on the sending end"
         frames = await self.pull.recv_frames()
         header = decode_header(frames[0].buffer)
-        return header, await self._recv_tensor(header, frames, shape, dtype, device)
+        await self._recv_into(header, frames, out)
+        return header
 
     @abstractmethod
-    async def _recv_tensor(
-        self,
-        header: EdgeHeader,
-        frames: list[zmq.Frame],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor: ...
+    async def _recv_into(self, header: EdgeHeader, frames: list[zmq.Frame], out: torch.Tensor) -> None: ...
 
     def close(self, linger_ms: int = 0) -> None:
         if self.push is not None:

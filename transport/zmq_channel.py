@@ -16,14 +16,5 @@ class ZmqChannel(TensorChannel):
         # The frame borrows the tensor's memory (no copy); zmq holds a reference until sent.
         await self.push.send_frames([encode(header), data.view(torch.uint8).numpy().data])
 
-    async def _recv_tensor(
-        self,
-        header: EdgeHeader,
-        frames: list[zmq.Frame],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        # Own the memory (clone) rather than keep the zmq frame alive for the tensor's lifetime.
-        flat = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
-        return flat.view(dtype).view(shape).to(device=device, copy=True)
+    async def _recv_into(self, header: EdgeHeader, frames: list[zmq.Frame], out: torch.Tensor) -> None:
+        out.copy_(torch.frombuffer(frames[1].buffer, dtype=torch.uint8).view(out.dtype).view(out.shape))
