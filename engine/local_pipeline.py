@@ -100,7 +100,7 @@ class LocalPipeline:
 
     def _next_chunk(self, r: Request, chunk_size: int) -> SeqChunk:
         """The tokens `r` has not computed yet, at most chunk_size; sample once the prompt is done."""
-        tokens = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + chunk_size]
+        tokens = r.token_slice(r.num_computed_tokens, r.num_computed_tokens + chunk_size)
         end = r.num_computed_tokens + len(tokens)
         self.allocator.grow(r.block_table, end)
         return SeqChunk(r.request_id, tokens, r.num_computed_tokens, list(r.block_table), end == r.num_tokens)

@@ -49,9 +49,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence (a decode
+        step needs one token, and this runs for every request in every plan)."""
+        prompt = self.prompt_token_ids
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        if end <= len(prompt):
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - len(prompt)]
 
     @property
     def finished(self) -> bool:

@@ -155,9 +155,7 @@ class Scheduler:
         for r, n in items:
             start = r.num_scheduled_tokens
             sample = start + n == r.num_tokens
-            chunks.append(
-                SeqChunk(r.request_id, r.all_token_ids[start : start + n], start, list(r.block_table), sample)
-            )
+            chunks.append(SeqChunk(r.request_id, r.token_slice(start, start + n), start, list(r.block_table), sample))
             r.num_scheduled_tokens += n
             r.awaiting_sample = sample
             if not r.announced:

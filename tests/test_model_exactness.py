@@ -78,7 +78,7 @@ def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str, blo
             n = min(left, rng.choice([1, 1, 2, 3, 7, 16, 40]))
             chunk_sizes_seen.add(n)
             pipe.allocator.grow(r.block_table, r.num_computed_tokens + n)
-            ids = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+            ids = r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
             chunks.append(SeqChunk(r.request_id, ids, r.num_computed_tokens, list(r.block_table), n == left))
             active.append(r)
         rng.shuffle(chunks)  # batch order must not matter either

@@ -197,3 +197,12 @@ def test_prompt_larger_than_the_cache_is_refused() -> None:
     s.add(req("ok", 3))
     with pytest.raises(ValueError, match="duplicate request id"):
         s.add(req("ok", 3))
+
+
+def test_token_slice_spans_prompt_and_output() -> None:
+    r = Request("s", [1, 2, 3], GREEDY)
+    r.output_token_ids += [4, 5]
+    whole = [1, 2, 3, 4, 5]
+    for start in range(6):
+        for end in range(start, 7):
+            assert r.token_slice(start, end) == whole[start:end]
