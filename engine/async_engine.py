@@ -17,6 +17,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,21 @@ from transport.messages import Sampled, StepResult
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve: a stage died, or the engine was closed."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (`max_waiting_requests`); try again later."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and health pages."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    stage_busy: tuple[float, ...]  # per stage: fraction of the recent window spent computing
 
 
 @dataclass
@@ -124,10 +140,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if a
         stage has died (also mid-stream)."""
-        if not self.healthy:
-            raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_admission()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -151,9 +166,18 @@ class AsyncEngine:
             if not request.finished:
                 self.abort(rid)
 
-    def check_prompt(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
-        """Raise ValueError (naming the problem) if this prompt cannot be served."""
+    def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+        """Raise what `generate` would raise for this request, without starting it: ValueError
+        (naming the problem) for a prompt that cannot be served, EngineDeadError or
+        EngineOverloadedError when the engine cannot take it now."""
         self._request("check", list(token_ids), params or SamplingParams())
+        self._check_admission()
+
+    def _check_admission(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
 
     def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
         vocab = self.config.model_config.vocab_size
@@ -169,6 +193,17 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(self._output(stream, "", [], []))
+
+    def stats(self, window_s: float = 10.0) -> EngineStats:
+        s = self.scheduler
+        free = s.allocator.num_free
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=s.allocator.num_blocks - free,
+            kv_blocks_total=s.allocator.num_blocks,
+            stage_busy=_busy_fractions(self.timings, self.config.pp_size, time.time(), window_s),
+        )
 
     # ---- results --------------------------------------------------------------------------
 
@@ -234,6 +269,17 @@ class AsyncEngine:
     def _fail_streams(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
+
+
+def _busy_fractions(results: Sequence[StepResult], stages: int, now: float, window_s: float) -> tuple[float, ...]:
+    """Per stage: compute time inside [now - window_s, now] divided by the window. Stage clocks are
+    time.time() on the same host as ours."""
+    busy = [0.0] * stages
+    since = now - window_s
+    for result in results:
+        for t in result.timings:
+            busy[t.stage] += max(0.0, min(t.end, now) - max(t.start, since))
+    return tuple(min(1.0, b / window_s) for b in busy)
 
 
 def _sigterm_as_sigint() -> None:

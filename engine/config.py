@@ -32,6 +32,7 @@ class EngineConfig:
     # Runtime (pipeline) settings.
     tensor_transport: str = "shm"  # resolved: shm | gloo | nccl | zmq
     max_running_requests: int = 256
+    max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
     max_batched_tokens: int = 2048  # new tokens per micro-batch
     chunked_prefill_size: int = 512  # new tokens of one request per micro-batch
     async_depth: int = 1  # plans in flight beyond one per stage
@@ -56,6 +57,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         tensor_transport: str = "auto",
         max_running_requests: int = 256,
+        max_waiting_requests: int = 4096,
         max_batched_tokens: int | None = None,
         chunked_prefill_size: int = 512,
         async_depth: int = 1,
@@ -93,6 +95,7 @@ class EngineConfig:
         max_model_len = min(max_model_len, num_kv_blocks * block_size)
         for name, value in (
             ("max_running_requests", max_running_requests),
+            ("max_waiting_requests", max_waiting_requests),
             ("chunked_prefill_size", chunked_prefill_size),
         ):
             if value < 1:
@@ -127,6 +130,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             tensor_transport=transport,
             max_running_requests=max_running_requests,
+            max_waiting_requests=max_waiting_requests,
             max_batched_tokens=max_batched_tokens,
             chunked_prefill_size=chunked_prefill_size,
             async_depth=async_depth,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
         by_file[where[src]].append(src)
     loaded: dict[str, torch.Tensor] = {}
     files = sorted(by_file)
+    # tqdm's default lock is a multiprocessing semaphore, which a stage process would leak at
+    # exit; a thread lock is all one process needs.
+    tqdm.set_lock(threading.RLock())
     for file in tqdm(files, desc="loading shards", disable=len(files) < 2, file=sys.stderr):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for src in by_file[file]:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, NoReturn
@@ -15,6 +19,7 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from scheduler.sampling_params import SamplingParams
+    from server.app import ServerOptions
 
 EXIT_USAGE = 2
 
@@ -31,8 +36,11 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    if model_required:
+        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    else:
+        p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--layer-partition", default=None, help="layers per stage, e.g. 3,3,4 (default: even split)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
@@ -47,7 +55,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "shm", "gloo", "nccl", "zmq"],
         help="how activations travel between stages (auto: nccl on CUDA, else shm)",
     )
-    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -82,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
+    _add_model_flags(serve, model_required=False)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -90,14 +109,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "serve":
+            _serve(args)
     except (ConfigError, ValueError) as e:
         fail(f"ppserve {args.command}: error: {e}")
+    except (RuntimeError, OSError) as e:  # a stage failed to start, the port is taken, ...
+        print(f"ppserve {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 
 
-def _generate(args: argparse.Namespace) -> None:
+def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: int = 4096) -> EngineConfig:
     from engine.config import EngineConfig
+
+    return EngineConfig.create(
+        model,
+        pp_size=args.pp_size,
+        layer_partition=args.layer_partition,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb,
+        max_model_len=args.max_model_len,
+        tensor_transport=args.tensor_transport,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        max_waiting_requests=max_waiting_requests,
+    )
+
+
+def _generate(args: argparse.Namespace) -> None:
     from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -113,19 +155,7 @@ def _generate(args: argparse.Namespace) -> None:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    config = EngineConfig.create(
-        args.model,
-        pp_size=args.pp_size,
-        layer_partition=args.layer_partition,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        max_model_len=args.max_model_len,
-        tensor_transport=args.tensor_transport,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_running_requests=args.max_running_requests,
-    )
+    config = _engine_config(args, args.model)
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt")
     if args.prompts_file is not None:
@@ -152,7 +182,7 @@ async def _generate_all(
         # Validate every prompt before starting any, so a bad one fails fast with exit code 2.
         encoded = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         for ids in encoded:
-            engine.check_prompt(ids, params)
+            engine.check_request(ids, params)
         results = await asyncio.gather(*[_one(engine, ids, params) for ids in encoded])
     for ids, result in zip(encoded, results, strict=True):
         if not as_json:
@@ -175,6 +205,62 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
     if params.logprobs is not None:
         result["logprobs"] = logprobs
     return result
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from server.app import ServerOptions
+    from server.demo import demo_checkpoint
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model
+    if model is None:
+        print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
+        model = str(demo_checkpoint())
+    config = _engine_config(args, model, args.max_waiting_requests)
+    options = ServerOptions(
+        served_model_name=args.served_model_name or (args.model or "ppserve-demo"),
+        api_key=args.api_key or os.environ.get("PPSERVE_API_KEY") or None,
+    )
+    _run(_serve_until_stopped(config, options, args.host, args.port))
+
+
+async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, host: str, port: int) -> None:
+    """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
+    from aiohttp import web
+
+    from server.app import create_app
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(create_app(config, options), handler_cancellation=True, shutdown_timeout=5.0)
+    try:
+        # The stages load here; a Ctrl-C meanwhile stops the start-up (and kills the stages).
+        setup = asyncio.ensure_future(runner.setup())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([setup, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not setup.done():
+            setup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await setup
+            return
+        stopped.cancel()
+        setup.result()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        for addr in runner.addresses:
+            h, p = addr[0], addr[1]
+            url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
+            print(
+                f"ppserve: serving {options.served_model_name!r} with {config.pp_size} pipeline stage(s) at {url}",
+                flush=True,
+            )
+        await stop.wait()
+        print("ppserve: shutting down", flush=True)
+    finally:
+        await runner.cleanup()
 
 
 def _run(coro: Coroutine[object, object, None]) -> None:

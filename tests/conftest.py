@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from live_server import LiveServer
 
 from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
@@ -46,3 +48,11 @@ def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The llama spec again, written as several shards with an index."""
     spec = TinySpec(**{**SPECS["llama"].__dict__, "max_shard_size": "200KB"})
     return make_tiny_checkpoint(tmp_path_factory.mktemp("sharded"), spec)
+
+
+@pytest.fixture(scope="session")
+def live_server(llama_dir: Path) -> Iterator[LiveServer]:
+    """`ppserve serve` with two stages on the tiny llama, shared by the HTTP tests."""
+    server = LiveServer(llama_dir, "--pp-size", "2", "--kv-cache-gb", "0.02", "--tensor-transport", "shm")
+    yield server
+    assert server.stop() == 0, "".join(server.output)

@@ -1,0 +1,201 @@
+"""The aiohttp application: routes, authentication, errors, and the engine's lifetime.
+
+    app = create_app(EngineConfig.create(...), ServerOptions(api_key="..."))
+    web.run_app(app)                        # or `ppserve serve`
+
+The engine starts with the app (`cleanup_ctx`) and stops with it. Handlers live in
+`openai_api.py` (OpenAI-compatible) and `native_api.py` (/generate, /ws); what they share
+(turning a request into an engine stream, with metrics) is `ServerState.submit`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStats
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+from server.metrics import ServerMetrics
+from server.protocol import ApiError
+
+log = logging.getLogger("ppserve.server")
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    served_model_name: str = "ppserve"
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2**20
+
+
+@dataclass
+class ServerState:
+    config: EngineConfig
+    options: ServerOptions
+    engine: AsyncEngine | None = None
+    shutting_down: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    websockets: weakref.WeakSet[web.WebSocketResponse] = field(default_factory=weakref.WeakSet)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.stats)
+
+    def stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    @property
+    def ready(self) -> AsyncEngine:
+        """The engine, if it can take requests (else a 503)."""
+        if self.shutting_down or self.engine is None:
+            raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.served_model_name:
+            raise ApiError(400, f"model {model!r} is not served here; use {self.options.served_model_name!r}", "model")
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.ready.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def max_tokens(self, prompt_ids: Sequence[int], requested: int | None, field_name: str = "max_tokens") -> int:
+        """`requested`, or all the context that is left; a request that cannot fit is a 400."""
+        limit = self.config.max_model_len
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                400, f"the prompt has {len(prompt_ids)} tokens; this model's context length is {limit}", "prompt"
+            )
+        if requested is None:
+            return room
+        if requested > room:
+            raise ApiError(
+                400,
+                f"{field_name} is {requested} but the prompt has {len(prompt_ids)} tokens and this model's "
+                f"context length is {limit}, which leaves {room}",
+                field_name,
+            )
+        return requested
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Check the request now (so errors come before any response is sent), then stream it."""
+        engine = self.ready
+        try:
+            engine.check_request(prompt_ids, params)
+        except ValueError as e:  # the prompt cannot be served (length, token ids)
+            message = str(e) if "prompt" in str(e) else f"invalid prompt: {e}"
+            raise ApiError(400, message, "prompt") from None
+        except EngineOverloadedError as e:
+            raise ApiError(503, f"the server is busy: {e}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDeadError as e:
+            raise ApiError(503, f"the engine cannot serve: {e}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return self.metrics.track(engine.generate(prompt_ids, params, request_id))
+
+
+STATE = web.AppKey("state", ServerState)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
+    from server import native_api, openai_api
+
+    options = options or ServerOptions()
+    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[_errors, _auth])
+    app[STATE] = ServerState(config, options)
+    app.cleanup_ctx.append(_engine_lifetime)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    openai_api.add_routes(app)
+    native_api.add_routes(app)
+    return app
+
+
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    engine = AsyncEngine(state.config)
+    await engine.start()
+    state.engine = engine
+    try:
+        yield
+    finally:
+        await engine.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Runs before aiohttp waits for open handlers: stop the engine so streams end now."""
+    state = app[STATE]
+    state.shutting_down = True
+    if state.engine is not None:
+        await state.engine.close()
+    for ws in list(state.websockets):
+        await ws.close(code=1001, message=b"server shutting down")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI's JSON error shape."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(ApiError(e.status, e.reason).body(), status=e.status)
+    except (ConnectionResetError, ConnectionError):
+        raise  # the client went away mid-response; nothing to answer
+    except Exception:
+        log.exception("error handling %s %s", request.method, request.path)
+        return web.json_response(ApiError(500, "internal server error").body(), status=500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[STATE].options.api_key
+    if key and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {key}"
+        # Constant-time compare, so response timing says nothing about the key.
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.engine
+    if engine is not None and engine.healthy and not state.shutting_down:
+        return web.json_response({"status": "ok"})
+    reason = "shutting down" if state.shutting_down else str(engine.error if engine else "starting")
+    return web.json_response({"status": "unhealthy", "error": reason}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {
+        "id": state.options.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "ppserve",
+        "max_model_len": state.config.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})

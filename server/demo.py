@@ -1,0 +1,53 @@
+"""The built-in demo model: a small random Llama, made once (deterministically) in a cache dir.
+
+Its weights are random, so its text is gibberish; it exists to show and test the whole server
+without downloading anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+
+DEMO_SPEC = TinySpec(
+    arch="llama",
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=512,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    seed=2024,
+)
+DEMO_NAME = "demo-llama-v1"  # bump when DEMO_SPEC or the checkpoint writer changes
+
+
+def cache_dir() -> Path:
+    if "PPSERVE_CACHE_DIR" in os.environ:
+        return Path(os.environ["PPSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ppserve"
+
+
+def demo_checkpoint() -> Path:
+    """The demo checkpoint's directory, written on first use. Built in a temporary directory and
+    renamed into place, so a crash or two servers starting at once never leave half a checkpoint."""
+    path = cache_dir() / DEMO_NAME
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=path.parent))
+    try:
+        make_tiny_checkpoint(tmp, DEMO_SPEC)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").is_file():  # lost a race to another process: use theirs
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,187 @@
+"""The native API: POST /generate (text or token ids in, text and token ids out) and GET /ws,
+a websocket that streams several requests at once.
+
+Websocket protocol (JSON text messages):
+    -> {"type": "generate", "id": "a", "text": "Hello", "sampling_params": {"max_tokens": 8}}
+    -> {"type": "cancel", "id": "a"}
+    <- {"type": "token", "id": "a", "token_id": 42, "text": " world"}   one per generated token
+    <- {"type": "done", "id": "a", "finish_reason": "length", "usage": {...}}
+    <- {"type": "error", "id": "a" | null, "message": "..."}            the socket stays open
+`text` of a token event is the text that token completes; it is "" while a multi-byte
+character or a possible stop string is still incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from engine.outputs import RequestOutput
+from server.app import STATE, ServerState
+from server.protocol import ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
+from server.streams import Collected, EventStream, Stream, collect, merge
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/ws", websocket)
+
+
+def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Stream:
+    ids = state.encode(body.prompt())
+    params = body.params()
+    state.max_tokens(ids, params.max_tokens)  # the request must fit the context
+    return state.submit(ids, params, request_id)
+
+
+def _usage(r: Collected | RequestOutput) -> dict[str, int]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode(await request.read(), GenerateRequest)
+    rid = f"gen-{uuid.uuid4().hex}"
+    stream = _submit(state, body, rid)
+    if not body.stream:
+        (r,) = await collect([stream])
+        result: dict[str, Any] = {
+            "id": rid,
+            "text": r.text,
+            "token_ids": r.token_ids,
+            "finish_reason": r.finish_reason,
+            "usage": _usage(r),
+        }
+        if body.sampling_params.logprobs is not None:
+            result["logprobs"] = [_logprob(lp.token_id, lp.logprob, lp.top_logprobs) for lp in r.logprobs]
+        return web.json_response(result)
+
+    events = EventStream()
+    await events.start(request)
+    try:
+        async for _, out in merge([stream]):
+            await events.send(
+                {
+                    "id": rid,
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    **({"usage": _usage(out)} if out.finished else {}),
+                }
+            )
+    except ApiError as e:
+        await events.error(e)
+    await events.done()
+    return events.response
+
+
+def _logprob(token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+    return {"token_id": token_id, "logprob": logprob, "top_logprobs": [list(t) for t in top]}
+
+
+class _Socket:
+    """One websocket connection: its requests run as tasks; sends are serialized."""
+
+    def __init__(self, state: ServerState, ws: web.WebSocketResponse) -> None:
+        self.state = state
+        self.ws = ws
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.lock = asyncio.Lock()
+        self.prefix = f"ws-{uuid.uuid4().hex[:12]}-"
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.ws.closed:
+            return
+        async with self.lock:
+            with contextlib.suppress(ConnectionError):
+                await self.ws.send_json(event)
+
+    async def error(self, message: str, rid: str | None) -> None:
+        await self.send({"type": "error", "id": rid, "message": message})
+
+    async def handle(self, data: str) -> None:
+        try:
+            msg: WsGenerate | WsCancel = decode(data, WsMessage)  # type: ignore[arg-type]
+        except ApiError as e:
+            await self.error(e.message, _peek_id(data))
+            return
+        if isinstance(msg, WsCancel):
+            task = self.tasks.get(msg.id)
+            if task is None:
+                await self.error(f"no request with id {msg.id!r} is running", msg.id)
+            else:
+                task.cancel()
+            return
+        if msg.id in self.tasks:
+            await self.error(f"id {msg.id!r} is already in use on this socket", msg.id)
+            return
+        try:
+            stream = _submit(self.state, msg, self.prefix + msg.id)
+        except ApiError as e:
+            await self.error(e.message, msg.id)
+            return
+        self.tasks[msg.id] = asyncio.create_task(self.run(msg, stream))
+
+    async def run(self, msg: WsGenerate, stream: Stream) -> None:
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
+                    for k, token_id in enumerate(out.token_ids):
+                        text = out.text if k == len(out.token_ids) - 1 else ""
+                        event: dict[str, Any] = {"type": "token", "id": msg.id, "token_id": token_id, "text": text}
+                        if out.logprobs is not None:
+                            event["logprob"] = out.logprobs[k].logprob
+                        await self.send(event)
+                    if out.finished:
+                        await self.send(
+                            {"type": "done", "id": msg.id, "finish_reason": out.finish_reason, "usage": usage}
+                        )
+        except asyncio.CancelledError:
+            # Cancelled by the client (or the socket closed): the stream is closed, so the engine
+            # has aborted the request and freed its KV blocks.
+            await self.send({"type": "done", "id": msg.id, "finish_reason": "abort", "usage": usage})
+        except Exception as e:
+            await self.error(f"the request failed: {e}", msg.id)
+        finally:
+            self.tasks.pop(msg.id, None)
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+async def websocket(request: web.Request) -> web.WebSocketResponse:
+    state = request.app[STATE]
+    ws = web.WebSocketResponse(heartbeat=30.0)
+    await ws.prepare(request)
+    state.websockets.add(ws)
+    sock = _Socket(state, ws)
+    try:
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await sock.handle(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await sock.error("send JSON as text messages", None)
+    finally:
+        await sock.close()
+        state.websockets.discard(ws)
+    return ws
+
+
+def _peek_id(data: str) -> str | None:
+    """The id of a message we could not decode, if it has a readable one (to tag the error)."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    rid = value.get("id") if isinstance(value, dict) else None
+    return rid if isinstance(rid, str) else None

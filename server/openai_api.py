@@ -1,0 +1,208 @@
+"""OpenAI-compatible endpoints: POST /v1/completions and POST /v1/chat/completions.
+
+Both accept OpenAI's sampling fields (plus top_k, min_p, ignore_eos, stop_token_ids), `n`
+choices, and `stream` as server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`. Choice i of a seeded request uses seed + i, so the choices differ.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.tokenizer import Tokenizer
+from scheduler.sampling_params import SamplingParams
+from server.app import STATE, ServerState
+from server.protocol import ApiError, ChatRequest, CompletionRequest, decode
+from server.streams import EventStream, Stream, collect, merge
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+
+
+def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int, rid: str, first: int) -> list[Stream]:
+    """n streams of one prompt; a seeded request gets seed + i for choice i."""
+    return [
+        state.submit(
+            ids, replace(params, seed=params.seed + i) if params.seed is not None else params, f"{rid}-{first + i}"
+        )
+        for i in range(n)
+    ]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode(await request.read(), CompletionRequest)
+    body.check()
+    state.check_model(body.model)
+    tokenizer = state.ready.tokenizer
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams: list[Stream] = []
+    echoes: list[str] = []  # per choice: the prompt text when echo is on
+    prompt_tokens = 0
+    for prompt in body.prompts():
+        ids = state.encode(prompt)
+        params = body.sampling_params(state.max_tokens(ids, body.max_tokens), body.logprobs)
+        streams += _choices(state, ids, params, body.n, rid, len(streams))
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+        echoes += [text if body.echo else ""] * body.n
+        prompt_tokens += len(ids)
+
+    base = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.options.served_model_name,
+    }
+    if not body.stream:
+        results = await collect(streams)
+        choices = [
+            {
+                "index": i,
+                "text": echoes[i] + r.text,
+                "logprobs": _completion_logprobs(tokenizer, r.logprobs, 0) if body.logprobs is not None else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(results)
+        ]
+        usage = _usage(prompt_tokens, sum(r.completion_tokens for r in results))
+        return web.json_response({**base, "choices": choices, "usage": usage})
+
+    events = EventStream()
+    await events.start(request)
+    offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+    completion_tokens = 0
+    try:
+        async for i, out in merge(streams):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(tokenizer, out.logprobs or [], offsets[i])
+            text, echoes[i] = echoes[i] + out.text, ""
+            offsets[i] += len(out.text)
+            completion_tokens += len(out.token_ids)
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            await events.send({**base, "choices": [choice], **({"usage": None} if body.include_usage else {})})
+    except ApiError as e:
+        await events.error(e)
+    else:
+        if body.include_usage:
+            await events.send({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+    await events.done()
+    return events.response
+
+
+def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        tokens.append(tokenizer.decode([lp.token_id], skip_special_tokens=False))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top_logprobs} for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = decode(await request.read(), ChatRequest)
+    body.check()
+    state.check_model(body.model)
+    tokenizer = state.ready.tokenizer
+    try:
+        ids = tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)
+        raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = _choices(state, ids, params, body.n, rid, 0)
+    base = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.options.served_model_name,
+    }
+    if not body.stream:
+        results = await collect(streams)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": _chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(results)
+        ]
+        usage = _usage(len(ids), sum(r.completion_tokens for r in results))
+        return web.json_response({**base, "choices": choices, "usage": usage})
+
+    base["object"] = "chat.completion.chunk"
+    extra = {"usage": None} if body.include_usage else {}
+    events = EventStream()
+    await events.start(request)
+    completion_tokens = 0
+    try:
+        for i in range(body.n):  # OpenAI opens each choice with the role
+            delta = {"role": "assistant", "content": ""}
+            await events.send({**base, "choices": [_chunk_choice(i, delta, None, None)], **extra})
+        async for i, out in merge(streams):
+            completion_tokens += len(out.token_ids)
+            logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
+            delta = {"content": out.text} if out.text or not out.finished else {}
+            await events.send({**base, "choices": [_chunk_choice(i, delta, logprobs, out)], **extra})
+    except ApiError as e:
+        await events.error(e)
+    else:
+        if body.include_usage:
+            await events.send({**base, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+    await events.done()
+    return events.response
+
+
+def _chunk_choice(
+    index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, out: RequestOutput | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason if out else None}
+
+
+def _chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top_logprobs]}
+            for lp in logprobs
+        ]
+    }

@@ -1,0 +1,237 @@
+"""Request bodies of the HTTP and websocket APIs, decoded and checked in one place.
+
+Bodies are decoded with msgspec into typed Structs, so a wrong type is an error that names its
+field (`at $.max_tokens`); ranges are checked by `SamplingParams` itself. Every problem becomes
+an `ApiError`, which the app turns into OpenAI's JSON error shape.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from scheduler.sampling_params import SamplingParams
+
+T = TypeVar("T")
+MAX_N = 16  # choices per request (each is a full request in the engine)
+
+
+class ApiError(Exception):
+    """An error answered to the client: status, message, and the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            503: "service_unavailable",
+        }.get(self.status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by every endpoint (OpenAI's names plus the usual extensions)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+                logprobs=logprobs,
+                stop_token_ids=tuple(self.stop_token_ids),
+                stop=tuple(stop),
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as e:
+            raise invalid(str(e)) from None
+
+
+class _OpenAIRequest(_Sampling, kw_only=True):
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_OpenAIRequest, kw_only=True):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by `prompts()`
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field's four OpenAI forms, as a list of text or token-id prompts."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+            prompts: list[str | list[int]] = [p]
+        elif isinstance(p, list) and p and all(isinstance(t, str) or _is_ids(t) for t in p):
+            prompts = list(p)
+        else:
+            raise ApiError(
+                400, "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt"
+            )
+        if any(len(x) == 0 for x in prompts):
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        return prompts
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """Plain text content; content parts must all be text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_OpenAIRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        if self.tools:
+            raise ApiError(400, "tools are not supported", "tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class NativeSampling(_Sampling, kw_only=True, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    logprobs: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /generate and the websocket's `generate` message."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+    stream: bool = False
+
+    def prompt(self) -> str | list[int]:
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "give exactly one of text and input_ids", "text")
+        prompt: str | list[int] = self.text if self.text is not None else list(self.input_ids or [])
+        if not prompt:
+            raise ApiError(400, "the prompt must not be empty", "text" if self.text is not None else "input_ids")
+        return prompt
+
+    def params(self) -> SamplingParams:
+        sp = self.sampling_params
+        return sp.sampling_params(sp.max_tokens, sp.logprobs)
+
+
+class WsGenerate(GenerateRequest, tag="generate", kw_only=True, forbid_unknown_fields=True):
+    id: str
+
+
+class WsCancel(msgspec.Struct, tag="cancel", kw_only=True, forbid_unknown_fields=True):
+    id: str
+
+
+WsMessage = WsGenerate | WsCancel
+_FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w.\[\]]*)`")
+
+
+def decode(body: bytes | str, type_: type[T]) -> T:
+    """Decode a JSON body into `type_`; errors name the field (400)."""
+    try:
+        return msgspec.json.decode(body, type=type_, strict=True)
+    except msgspec.ValidationError as e:
+        m = _FIELD.search(str(e))
+        raise ApiError(400, f"invalid request: {e}", m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+def invalid(message: str) -> ApiError:
+    """A ValueError from the engine as a 400; the message starts with the field it is about."""
+    first = message.split(" ", 1)[0]
+    return ApiError(400, message, first if first.isidentifier() else None)
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

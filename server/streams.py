@@ -1,0 +1,113 @@
+"""From engine streams to HTTP responses: collect one, merge several, write server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.stage_pool import StageError
+from server.protocol import ApiError
+
+Stream = AsyncGenerator[RequestOutput, None]
+
+
+@dataclass
+class Collected:
+    """A whole request's outputs, joined."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+
+
+async def collect(streams: Sequence[Stream]) -> list[Collected]:
+    """Run streams to the end, concurrently; an engine failure is a 503."""
+    results = [Collected() for _ in streams]
+    async for i, out in merge(streams):
+        results[i].add(out)
+    return results
+
+
+async def merge(streams: Sequence[Stream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs as they come, tagged with the stream's index.
+    Leaving early (or failing) closes every stream, which aborts their requests."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise _as_api_error(item)
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_api_error(e: BaseException) -> BaseException:
+    """What a stream can raise once it runs, as the answer to the client."""
+    if isinstance(e, (EngineDeadError, StageError)):
+        return ApiError(503, f"the engine failed: {e}")
+    if isinstance(e, EngineOverloadedError):  # the queue filled up between the check and the start
+        return ApiError(503, f"the server is busy: {e}")
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e))
+    return e
+
+
+class EventStream:
+    """Server-sent events: `data: <json>` per event, `data: [DONE]` at the end."""
+
+    def __init__(self) -> None:
+        self.response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    async def start(self, request: web.Request) -> web.StreamResponse:
+        await self.response.prepare(request)
+        return self.response
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+
+    async def error(self, e: ApiError) -> None:
+        """Once events have started, an error can only be another event."""
+        await self.send(e.body())
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()

@@ -1,0 +1,192 @@
+"""The HTTP and websocket API of a live server: bad input, the native API, websocket streams,
+client disconnects and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from live_server import LiveServer
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (path, body, status, text the error must contain: the field at fault)
+BAD_INPUTS: list[tuple[str, Any, int, str]] = [
+    (COMP, b"{bad json", 400, "JSON"),
+    (COMP, [], 400, "object"),
+    (COMP, {}, 400, "prompt"),
+    (COMP, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (COMP, {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    (COMP, {"prompt": "x", "min_p": 2}, 400, "min_p"),
+    (COMP, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    (COMP, {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
+    (COMP, {"prompt": "x", "seed": -1}, 400, "seed"),
+    (COMP, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (COMP, {"prompt": "x", "n": 0}, 400, "n must"),
+    (COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (COMP, {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    (COMP, {"prompt": ""}, 400, "prompt"),
+    (COMP, {"prompt": [1, "a"]}, 400, "prompt"),
+    (COMP, {"prompt": [99999]}, 400, "prompt"),
+    (COMP, {"prompt": [10] * 3000}, 400, "prompt"),  # longer than the context (2048)
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("/generate", {"text": "x", "input_ids": [1]}, 400, "text"),
+    ("/generate", {"sampling_params": {"max_tokens": 4}}, 400, "text"),
+    ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
+    ("/generate", {"text": "x", "sampling_params": {"min_p": 2}}, 400, "min_p"),
+    ("/generate", {"input_ids": [-1]}, 400, "prompt"),
+    ("/nowhere", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_INPUTS)
+def test_bad_input(live_server: LiveServer, path: str, body: Any, status: int, needle: str) -> None:
+    code, headers, raw = live_server.request("POST", path, body)
+    assert code == status, raw
+    assert headers["Content-Type"].startswith("application/json")
+    error = json.loads(raw)["error"]
+    assert needle in error["message"] or needle == error["param"], error
+    assert error["code"] == status and error["type"]
+
+
+def test_server_still_serves_after_bad_input(live_server: LiveServer) -> None:
+    for path, body, _, _ in BAD_INPUTS:
+        live_server.request("POST", path, body)
+    assert live_server.request("GET", "/health")[0] == 200
+    code, _, raw = live_server.request("POST", COMP, {"prompt": "still here", "max_tokens": 4})
+    assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+
+
+def test_auth_size_and_method(live_server: LiveServer) -> None:
+    for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
+        code, _, raw = live_server.request("POST", COMP, {"prompt": "x"}, headers=headers)
+        assert code == 401 and "API key" in json.loads(raw)["error"]["message"]
+    assert live_server.request("GET", "/health", headers={"Authorization": ""})[0] == 200  # open to probes
+    assert live_server.request("GET", "/metrics", headers={"Authorization": ""})[0] == 200
+    code, _, raw = live_server.request("POST", COMP, b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}')
+    assert code == 413 and json.loads(raw)["error"]["code"] == 413
+    code, _, raw = live_server.request("GET", COMP)
+    assert code == 405 and json.loads(raw)["error"]["code"] == 405
+
+
+def test_native_generate(live_server: LiveServer) -> None:
+    body = {"text": "The pipeline", "sampling_params": {"max_tokens": 6, "temperature": 0, "logprobs": 2}}
+    code, _, raw = live_server.request("POST", "/generate", body)
+    assert code == 200, raw
+    whole = json.loads(raw)
+    assert len(whole["token_ids"]) == 6 and whole["usage"]["completion_tokens"] == 6
+    assert [lp["token_id"] for lp in whole["logprobs"]] == whole["token_ids"]
+
+    code, headers, raw = live_server.request("POST", "/generate", {**body, "stream": True})
+    assert code == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    parts = [json.loads(e) for e in events[:-1]]
+    assert [t for p in parts for t in p["token_ids"]] == whole["token_ids"]
+    assert "".join(p["text"] for p in parts) == whole["text"]
+    assert parts[-1]["finish_reason"] == "length" and parts[-1]["usage"]["completion_tokens"] == 6
+
+
+async def _events(ws: aiohttp.ClientWebSocketResponse, until: Any) -> list[dict[str, Any]]:
+    """Websocket events until `until(events)` is true (bounded, so a bug fails instead of hanging)."""
+    events: list[dict[str, Any]] = []
+    while not until(events):
+        events.append(await asyncio.wait_for(ws.receive_json(), timeout=60))
+    return events
+
+
+def _done(*ids: str) -> Any:
+    return lambda events: {e["id"] for e in events if e["type"] == "done"} >= set(ids)
+
+
+async def test_websocket(live_server: LiveServer) -> None:
+    async with (
+        aiohttp.ClientSession(headers=live_server.headers) as session,
+        session.ws_connect(live_server.url + "/ws") as ws,
+    ):
+        # Two interleaved streams on one socket.
+        greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        await ws.send_json({"type": "generate", "id": "a", "text": "The pipeline", "sampling_params": greedy})
+        await ws.send_json(
+            {"type": "generate", "id": "b", "text": "A river", "sampling_params": {**greedy, "max_tokens": 6}}
+        )
+        events = await _events(ws, _done("a", "b"))
+        tokens = {rid: [e["token_id"] for e in events if e["type"] == "token" and e["id"] == rid] for rid in "ab"}
+        assert len(tokens["a"]) == 12 and len(tokens["b"]) == 6
+        order = [e["id"] for e in events if e["type"] == "token"]
+        assert order.index("b") < len(order) - 1 - order[::-1].index("a"), "the streams did not interleave"
+        done = {e["id"]: e for e in events if e["type"] == "done"}
+        assert done["a"]["finish_reason"] == "length" and done["a"]["usage"]["completion_tokens"] == 12
+        _, _, raw = live_server.request("POST", "/generate", {"text": "The pipeline", "sampling_params": greedy})
+        assert tokens["a"] == json.loads(raw)["token_ids"]  # same as the native API
+
+        # Cancel a long request after its first token.
+        long = {"max_tokens": 1000, "ignore_eos": True}
+        await ws.send_json({"type": "generate", "id": "c", "text": "Keep going", "sampling_params": long})
+        await _events(ws, lambda ev: any(e["type"] == "token" for e in ev))
+        await ws.send_json({"type": "cancel", "id": "c"})
+        events = await _events(ws, _done("c"))
+        assert events[-1]["finish_reason"] == "abort" and events[-1]["usage"]["completion_tokens"] < 1000
+
+        # Malformed messages get an error event; the socket stays usable.
+        await ws.send_str("not json")
+        await ws.send_json({"type": "generate", "id": "d"})
+        await ws.send_json({"type": "dance", "id": "e"})
+        await ws.send_json({"type": "cancel", "id": "nobody"})
+        errors = await _events(ws, lambda ev: len(ev) == 4)
+        assert [e["type"] for e in errors] == ["error"] * 4
+        assert [e["id"] for e in errors] == [None, "d", "e", "nobody"]
+        assert "text" in errors[1]["message"]
+        await ws.send_json({"type": "generate", "id": "f", "input_ids": [5, 6, 7], "sampling_params": greedy})
+        events = await _events(ws, _done("f"))
+        assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 12}
+
+
+async def test_disconnect_mid_stream_frees_kv_blocks(live_server: LiveServer) -> None:
+    body = {"prompt": "A long answer", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(headers=live_server.headers) as session:
+        resp = await session.post(live_server.url + COMP, json=body)
+        assert resp.status == 200
+        for _ in range(3):
+            assert (await resp.content.readline()).startswith(b"data: ")
+            await resp.content.readline()
+        assert live_server.metrics()["ppserve_kv_blocks_used"] > 0
+        resp.close()  # drop the connection mid-stream
+    metrics: dict[str, float] = {}
+
+    def freed() -> bool:
+        metrics.update(live_server.metrics())
+        return metrics["ppserve_kv_blocks_used"] == 0 and metrics["ppserve_requests_running"] == 0
+
+    await asyncio.to_thread(live_server.wait_until, freed, 30.0, "the request's KV blocks to be freed")
+
+
+def test_metrics(live_server: LiveServer) -> None:
+    live_server.request("POST", COMP, {"prompt": "count me", "max_tokens": 5})
+    m = live_server.metrics()
+    assert m["ppserve_generation_tokens_total"] >= 5 and m["ppserve_prompt_tokens_total"] > 0
+    assert m["ppserve_time_to_first_token_seconds_count"] >= 1
+    assert m["ppserve_inter_token_latency_seconds_count"] >= 4
+    assert m["ppserve_e2e_request_latency_seconds_count"] >= 1
+    assert m['ppserve_requests_total{finish_reason="length"}'] >= 1
+    assert m["ppserve_kv_blocks_total"] > 0 and m["ppserve_requests_waiting"] == 0
+    busy = [m[f'ppserve_stage_busy_fraction{{stage="{i}"}}'] for i in range(2)]
+    assert all(0 <= b <= 1 for b in busy) and any(b > 0 for b in busy)

@@ -1,0 +1,100 @@
+"""A server under stress: a full queue, a dead stage, shutdown with requests in flight, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from live_server import LiveServer
+
+pytestmark = pytest.mark.slow
+
+COMP = "/v1/completions"
+SMALL = ("--kv-cache-gb", "0.02")
+
+
+def _stream_in_background(server: LiveServer, body: dict[str, object]) -> tuple[threading.Thread, list[bytes]]:
+    """POST a streaming request from a thread; its raw response lands in the returned list."""
+    out: list[bytes] = []
+
+    def run() -> None:
+        out.append(server.request("POST", COMP, {**body, "stream": True})[2])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _gone(pids: list[int]) -> bool:
+    return not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
+def test_full_queue_is_503_with_retry_after(llama_dir: Path) -> None:
+    server = LiveServer(
+        llama_dir, "--pp-size", "2", *SMALL, "--max-running-requests", "1", "--max-waiting-requests", "1"
+    )
+    try:
+        long = {"prompt": "busy", "max_tokens": 1500, "ignore_eos": True}
+        first, _ = _stream_in_background(server, long)
+        server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the first request to run")
+        second, _ = _stream_in_background(server, long)
+        server.wait_until(lambda: server.metrics()["ppserve_requests_waiting"] == 1, what="the second to queue")
+        code, headers, raw = server.request("POST", COMP, {"prompt": "one too many", "max_tokens": 2})
+        assert code == 503 and headers["Retry-After"] == "1"
+        assert "busy" in json.loads(raw)["error"]["message"]
+        assert server.request("GET", "/health")[0] == 200  # busy is not unhealthy
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+    first.join(30)
+    second.join(30)
+
+
+def test_dead_stage_turns_health_red_and_fails_fast(llama_dir: Path) -> None:
+    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL)
+    stages = server.stage_pids()
+    assert len(stages) == 2
+    try:
+        thread, out = _stream_in_background(server, {"prompt": "doomed", "max_tokens": 1500, "ignore_eos": True})
+        server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the request to run")
+        os.kill(stages[1], signal.SIGKILL)
+        server.wait_until(lambda: server.request("GET", "/health")[0] == 503, 10.0, "/health to report the dead stage")
+        thread.join(30)
+        assert not thread.is_alive() and b"stage 1" in out[0]  # the stream ended with an error naming the stage
+        code, headers, raw = server.request("POST", COMP, {"prompt": "anyone?", "max_tokens": 2})
+        assert code == 503 and "stage 1" in json.loads(raw)["error"]["message"] and "Retry-After" in headers
+        assert "stage 1" in json.loads(server.request("GET", "/health")[2])["error"]
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+    server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_with_requests_in_flight(llama_dir: Path, sig: signal.Signals) -> None:
+    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL)
+    stages = server.stage_pids()
+    thread, out = _stream_in_background(server, {"prompt": "interrupted", "max_tokens": 1500, "ignore_eos": True})
+    server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the request to run")
+    server.proc.send_signal(sig)
+    assert server.proc.wait(timeout=30) == 0, "".join(server.output)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert b"shut down" in out[0] or b"[DONE]" not in out[0]  # the stream was ended, not left hanging
+    assert "ppserve: shutting down" in "".join(server.output)
+    server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
+
+
+def test_demo_model_is_built_once_and_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
+    server = LiveServer(None, "--pp-size", "2", *SMALL, api_key=None)
+    try:
+        code, _, raw = server.request("GET", "/v1/models")
+        assert code == 200 and json.loads(raw)["data"][0]["id"] == "ppserve-demo"
+        code, _, raw = server.request("POST", COMP, {"prompt": "hello", "max_tokens": 3})
+        assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-llama-v1"]  # no temporary leftovers
