@@ -3,10 +3,7 @@
 #   scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+scripts/venv.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import pipeline
+from live_server import ROOT, LiveServer
 
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
@@ -118,3 +120,46 @@ def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message
 def test_missing_model_dir(tmp_path: Path) -> None:
     res = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert res.returncode == 2 and "no config.json in" in res.stderr
+
+
+@pytest.mark.slow
+def test_serve_flags(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--served-model-name, --max-model-len, --log-level and the PPSERVE_API_KEY variable."""
+    monkeypatch.setenv("PPSERVE_API_KEY", "from-env")
+    server = LiveServer(
+        llama_dir, "--served-model-name", "tiny", "--max-model-len", "64", "--log-level", "warning", api_key=None
+    )
+    try:
+        assert server.request("GET", "/v1/models")[0] == 401
+        code, _, raw = server.request("GET", "/v1/models", headers={"Authorization": "Bearer from-env"})
+        card = json.loads(raw)["data"][0]
+        assert code == 200 and card["id"] == "tiny" and card["max_model_len"] == 64
+        assert not any("aiohttp.access" in line for line in server.output)  # warning level: no access log
+    finally:
+        assert server.stop() == 0
+
+
+def test_serve_bad_flags(llama_dir: Path) -> None:
+    res = run_cli("serve", "--model", str(llama_dir), "--pp-size", "9")
+    assert res.returncode == 2 and "pp_size" in res.stderr.replace("-", "_") and "Traceback" not in res.stderr
+    res = run_cli("serve", "--model", str(llama_dir), "--log-level", "loud")
+    assert res.returncode == 2 and "--log-level" in res.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        res = run_cli("serve", "--model", str(llama_dir), "--kv-cache-gb", "0.02", "--port", port)
+    assert res.returncode == 1 and "address already in use" in res.stderr.lower(), res.stderr
+
+
+@pytest.mark.slow
+def test_embed_example_runs_and_is_in_readme(llama_dir: Path) -> None:
+    script = ROOT / "scripts" / "embed_example.py"
+    res = subprocess.run([sys.executable, str(script), str(llama_dir)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = sorted(res.stdout.splitlines())
+    assert [line.split(":")[0] for line in lines] == ["first", "second"]
+    assert all("16 tokens (length)" in line for line in lines), lines
+    # The README shows this file's code; keep the two from drifting apart.
+    code = script.read_text().split('"""', 2)[2].strip()
+    assert code in (ROOT / "README.md").read_text()

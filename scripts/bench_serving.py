@@ -1,0 +1,401 @@
+"""Serving benchmark: an OpenAI-API load generator, and HTTP server vs in-process AsyncEngine.
+
+Every request streams a prompt of random token ids (so lengths are exact) with temperature 0,
+ignore_eos and max_tokens set, arriving all at once or as a Poisson process. Reported: request
+and output-token throughput, TTFT and inter-token latency (ITL) percentiles, e2e median.
+
+    # against any OpenAI-compatible server: HTTP only
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 [--api-key K] [--model-name M]
+    # no --url: start `ppserve serve` on --model-dir (default: the demo model), run the workload;
+    # then run the same workload through an in-process AsyncEngine; --rounds times, alternating
+    python scripts/bench_serving.py --num-requests 64 --input-len 64:256 --output-len 32:128 \
+        [--request-rate 8] [--rounds 2] [--tag poisson]
+
+Writes benchmarks/results/serving[_TAG].json and .png (TTFT and ITL CDFs, both modes overlaid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+from server.demo import demo_checkpoint  # noqa: E402
+
+STATS = ("ttft", "itl", "tpot", "e2e")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    output_len: int
+    arrival_s: float  # offset from the start of the run
+
+
+@dataclass
+class Record:
+    ttft: float = math.nan  # seconds from send to the first chunk carrying tokens
+    itls: list[float] = field(default_factory=list)  # gaps between successive token chunks
+    e2e: float = math.nan
+    output_tokens: int = 0
+    error: str | None = None
+
+
+class Clock:
+    """Timestamps of one request's token-carrying chunks; created right before the send."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.chunks: list[float] = []
+
+    def chunk(self) -> None:
+        self.chunks.append(time.perf_counter())
+
+    def record(self, tokens: int, error: str | None = None) -> Record:
+        c = self.chunks
+        ttft = c[0] - self.start if c else math.nan
+        itls = [b - a for a, b in itertools.pairwise(c)]
+        return Record(ttft, itls, time.perf_counter() - self.start, tokens, error)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    bounds = (int(lo), int(hi or lo))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def make_workload(
+    n: int, input_len: tuple[int, int], output_len: tuple[int, int], rate: float, vocab: int, seed: int
+) -> list[Job]:
+    rng = random.Random(seed)
+    jobs, t = [], 0.0
+    for _ in range(n):
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+        # Low ids are usually special tokens (BOS/EOS/pad); random text never needs them.
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(*input_len))]
+        jobs.append(Job(prompt, rng.randint(*output_len), t))
+    return jobs
+
+
+async def run_jobs(jobs: list[Job], one: Callable[[Job], Awaitable[Record]]) -> tuple[list[Record], float]:
+    """Send each job at its arrival time; (records, seconds from the first arrival to the last finish)."""
+    start = time.perf_counter()
+
+    async def timed(job: Job) -> Record:
+        await asyncio.sleep(max(0.0, start + job.arrival_s - time.perf_counter()))
+        return await one(job)
+
+    records = await asyncio.gather(*[timed(j) for j in jobs])
+    return list(records), time.perf_counter() - start
+
+
+def summarize(jobs: list[Job], records: list[Record], duration: float) -> dict[str, Any]:
+    for job, r in zip(jobs, records, strict=True):
+        if r.error is None and r.output_tokens != job.output_len:
+            r.error = f"asked for {job.output_len} tokens, got {r.output_tokens}"
+    ok = [r for r in records if r.error is None]
+    ms = {
+        "ttft": [r.ttft * 1e3 for r in ok],
+        "itl": [x * 1e3 for r in ok for x in r.itls],
+        # Time per output token after the first: robust to chunks that carry several tokens.
+        "tpot": [(r.e2e - r.ttft) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "e2e": [r.e2e * 1e3 for r in ok],
+    }
+    out: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": sum(r.output_tokens for r in ok) / duration,
+    }
+    for name in STATS:
+        for q in (50, 90, 99):
+            out[f"{name}_ms_p{q}"] = float(np.percentile(ms[name], q)) if ms[name] else math.nan
+    out["_samples"] = {"ttft": ms["ttft"], "itl": ms["itl"]}  # for the plot; dropped from the JSON
+    return out
+
+
+# ---- HTTP --------------------------------------------------------------------------------------
+
+
+async def http_one(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, job: Job) -> Record:
+    body: dict[str, Any] = {
+        "prompt": job.prompt,
+        "max_tokens": job.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # chunk text can be empty: count tokens from usage
+    }
+    if args.model_name:
+        body["model"] = args.model_name
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    clock, usage_tokens = Clock(), None
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                return clock.record(0, f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
+                    continue
+                event = msgspec.json.decode(data)
+                if "error" in event:
+                    return clock.record(0, str(event["error"])[:200])
+                if event.get("choices"):  # every choice chunk carries >= 1 token
+                    clock.chunk()
+                if event.get("usage"):
+                    usage_tokens = event["usage"]["completion_tokens"]
+    except (TimeoutError, aiohttp.ClientError) as e:
+        return clock.record(0, repr(e))
+    return clock.record(len(clock.chunks) if usage_tokens is None else usage_tokens)
+
+
+async def http_run(url: str, args: argparse.Namespace, warmup: list[Job], jobs: list[Job]) -> dict[str, Any]:
+    # One session for all requests; no connection cap, so the arrival schedule is never throttled.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        def one(job: Job) -> Awaitable[Record]:
+            return http_one(session, url, args, job)
+
+        await run_jobs(warmup, one)
+        return summarize(jobs, *await run_jobs(jobs, one))
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
+    """`ppserve serve` on a free port; yields its base URL; SIGTERM (then SIGKILL) on the way out."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", "0"]
+    cmd += [*engine_flags(args), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def drain() -> None:  # keep reading, or the server blocks once the pipe fills
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"at http://\S+", line):
+                found.set()
+        found.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        found.wait(180)
+        match = next((m for ln in lines if (m := re.search(r"at (http://\S+)", ln))), None)
+        if match is None:
+            raise RuntimeError("ppserve serve did not start:\n" + "".join(lines[-20:]))
+        yield match.group(1)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ---- in-process --------------------------------------------------------------------------------
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        *("--pp-size", str(args.pp_size), "--kv-cache-gb", str(args.kv_cache_gb)),
+        *("--max-running-requests", str(args.max_running_requests)),
+        *("--chunked-prefill-size", str(args.chunked_prefill_size)),
+    ]
+
+
+async def engine_one(engine: AsyncEngine, job: Job) -> Record:
+    params = SamplingParams(max_tokens=job.output_len, temperature=0.0, ignore_eos=True)
+    clock, tokens = Clock(), 0
+    try:
+        async for out in engine.generate(job.prompt, params):
+            if out.token_ids:
+                clock.chunk()
+                tokens += len(out.token_ids)
+    except Exception as e:
+        return clock.record(tokens, repr(e))
+    return clock.record(tokens)
+
+
+async def engine_run(args: argparse.Namespace, model_dir: Path, warmup: list[Job], jobs: list[Job]) -> dict[str, Any]:
+    # The same settings the server's CLI flags give (threads_per_stage: the same default).
+    config = EngineConfig.create(
+        model_dir,
+        pp_size=args.pp_size,
+        kv_cache_gb=args.kv_cache_gb,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
+    async with AsyncEngine(config) as engine:
+        await run_jobs(warmup, lambda j: engine_one(engine, j))
+        return summarize(jobs, *await run_jobs(jobs, lambda j: engine_one(engine, j)))
+
+
+def run_async(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """uvloop when available, as `ppserve serve` uses: the comparison should differ only in HTTP."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def median_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, v in rounds[0].items() if isinstance(v, int | float)]
+    return {k: statistics.median(r[k] for r in rounds) for k in keys}
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, stat, label in zip(axes, ("ttft", "itl"), ("TTFT (ms)", "inter-token latency (ms)"), strict=True):
+        for mode, rounds in runs.items():
+            xs = np.sort([x for r in rounds for x in r["_samples"][stat]])
+            if len(xs):
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=mode)
+        ax.set_xlabel(label + (", log scale" if stat == "itl" else ""))
+        ax.set_ylabel("fraction of samples")
+        if stat == "itl":
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(modes: dict[str, dict[str, Any]]) -> None:
+    rows = [("req/s", "request_throughput"), ("output tok/s", "output_token_throughput")]
+    rows += [(f"{s.upper()} p{q} (ms)", f"{s}_ms_p{q}") for s in STATS for q in (50, 90, 99) if s != "e2e" or q == 50]
+    names = list(modes)
+    print(f"{'':18s}" + "".join(f"{n:>12s}" for n in names) + ("   ratio" if len(names) == 2 else ""))
+    for label, key in rows:
+        vals = [modes[n][key] for n in names]
+        ratio = f"{vals[0] / vals[1]:8.2f}" if len(vals) == 2 and vals[1] else ""
+        print(f"{label:18s}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
+    print("failed requests: " + ", ".join(f"{n} {modes[n]['failed']}" for n in names))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="benchmark this server only (default: start ppserve, compare)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model-name", default=None, help="the request's model field (default: omitted)")
+    p.add_argument("--model-dir", default=None, help="checkpoint (default: the demo model); gives the vocab size")
+    p.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below this")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s (default inf: all at once)")
+    p.add_argument("--input-len", type=parse_range, default=(64, 256), help="LO:HI, uniform")
+    p.add_argument("--output-len", type=parse_range, default=(32, 128), help="LO:HI, uniform")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup-requests", type=int, default=8)
+    p.add_argument("--pp-size", type=int, default=2)
+    p.add_argument("--kv-cache-gb", type=float, default=0.5)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument("--tag", default="", help="suffix for the output files: serving_TAG.json/.png")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results"))
+    args = p.parse_args()
+    # The stages use cpu_count // pp_size threads each; the host only schedules and streams.
+    torch.set_num_threads(1)
+
+    model_dir = Path(args.model_dir) if args.model_dir else demo_checkpoint()
+    vocab = args.vocab_size or json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    jobs = make_workload(args.num_requests, args.input_len, args.output_len, args.request_rate, vocab, args.seed)
+    # Warm-up: a short burst of small requests (other seed), so no measured run pays first-call costs.
+    warmup = make_workload(args.warmup_requests, args.input_len, (8, 8), math.inf, vocab, args.seed + 1)
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i in range(args.rounds):
+        if args.url:
+            runs.setdefault("http", []).append(run_async(http_run(args.url.rstrip("/"), args, warmup, jobs)))
+            continue
+        # Alternate which mode goes first, so drift in the machine's speed hits both alike.
+        for mode in ("http", "in-process") if i % 2 == 0 else ("in-process", "http"):
+            if mode == "http":
+                with served(args, model_dir) as url:
+                    result = run_async(http_run(url, args, warmup, jobs))
+            else:
+                result = run_async(engine_run(args, model_dir, warmup, jobs))
+            runs.setdefault(mode, []).append(result)
+            print(f"round {i + 1} {mode}: {result['output_token_throughput']:.0f} tok/s, {result['failed']} failed")
+
+    modes = {m: median_summary(r) for m, r in runs.items()}
+    report: dict[str, Any] = {
+        "benchmark": "serving",
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "api_key"},
+        "model_dir": str(model_dir),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "torch": torch.__version__,
+        "modes": {m: {**modes[m], "errors": sorted({e for r in runs[m] for e in r["errors"]})[:5]} for m in modes},
+        "rounds": {m: [{k: v for k, v in r.items() if k != "_samples"} for r in rs] for m, rs in runs.items()},
+    }
+    if "in-process" in modes:
+        http, local = modes["http"], modes["in-process"]
+        report["ratio_http_over_inprocess_tok_s"] = http["output_token_throughput"] / local["output_token_throughput"]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "serving" + (f"_{args.tag}" if args.tag else "")
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate:g} req/s"
+    plot(
+        runs,
+        out_dir / f"{stem}.png",
+        f"{args.num_requests} requests, {rate}, in {args.input_len}, out {args.output_len}",
+    )
+
+    print_table(modes)
+    if "ratio_http_over_inprocess_tok_s" in report:
+        print(f"HTTP / in-process output tok/s: {report['ratio_http_over_inprocess_tok_s']:.3f} (target >= 0.9)")
+    print(f"wrote {out_dir / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
