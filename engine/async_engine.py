@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -26,12 +26,13 @@ from types import TracebackType
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stage_pool import StageError, StagePool
+from engine.timeline import Timeline
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.driver import PipelineDriver
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from transport.messages import Sampled, StepResult
+from transport.messages import Sampled, StepPlan, StepResult
 
 
 class EngineDeadError(RuntimeError):
@@ -51,6 +52,8 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     stage_busy: tuple[float, ...]  # per stage: fraction of the recent window spent computing
+    prefill_chunks: dict[int, int]  # prefill chunk size -> how many were scheduled (since start)
+    latency_model: tuple[float, float, float] | None  # (a, b, c) of the bottleneck stage, if fitted
 
 
 @dataclass
@@ -77,6 +80,8 @@ class AsyncEngine:
                 max_running_requests=config.max_running_requests,
                 max_batched_tokens=config.max_batched_tokens,
                 chunked_prefill_size=config.chunked_prefill_size,
+                dynamic_chunking=config.dynamic_chunking,
+                chunk_smooth=config.chunk_smooth,
             )
         )
         self._streams: dict[str, _Stream] = {}
@@ -85,7 +90,8 @@ class AsyncEngine:
         self._driver: PipelineDriver | None = None
         self._driver_task: asyncio.Task[None] | None = None
         self.error: Exception | None = None
-        self.timings: deque[StepResult] = deque(maxlen=1024)  # recent results (timeline, tests)
+        self.timeline = Timeline(config.pp_size)  # recent per-stage compute intervals
+        self.prefill_chunks: Counter[int] = Counter()
         self._closed = False
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -99,7 +105,10 @@ class AsyncEngine:
         except BaseException:
             await self.close()
             raise
-        driver = PipelineDriver(self.scheduler, pool.send_plan, self._on_outputs)
+        for stage, samples in enumerate(pool.profiles):
+            if samples:
+                self.scheduler.set_profile(stage, samples)
+        driver = PipelineDriver(self.scheduler, self._send_plan, self._on_outputs)
         self._driver = driver
         self._driver_task = asyncio.create_task(driver.run())
         _sigterm_as_sigint()
@@ -202,13 +211,21 @@ class AsyncEngine:
             waiting=len(s.waiting),
             kv_blocks_used=s.allocator.num_blocks - free,
             kv_blocks_total=s.allocator.num_blocks,
-            stage_busy=_busy_fractions(self.timings, self.config.pp_size, time.time(), window_s),
+            stage_busy=self.timeline.busy_fractions(time.time() - window_s, time.time()),
+            prefill_chunks=dict(self.prefill_chunks),
+            latency_model=(m.a, m.b, m.c) if (m := s.latency.model) is not None else None,
         )
 
     # ---- results --------------------------------------------------------------------------
 
+    async def _send_plan(self, plan: StepPlan) -> None:
+        assert self._pool is not None
+        self.timeline.on_plan(plan)
+        self.prefill_chunks.update(c.num_new for c in plan.chunks if not c.sample or c.num_new > 1)
+        await self._pool.send_plan(plan)
+
     def _on_result(self, result: StepResult) -> None:
-        self.timings.append(result)
+        self.timeline.on_result(result)
         if self._driver is not None:
             self._driver.on_result(result)
 
@@ -269,17 +286,6 @@ class AsyncEngine:
     def _fail_streams(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
-
-
-def _busy_fractions(results: Sequence[StepResult], stages: int, now: float, window_s: float) -> tuple[float, ...]:
-    """Per stage: compute time inside [now - window_s, now] divided by the window. Stage clocks are
-    time.time() on the same host as ours."""
-    busy = [0.0] * stages
-    since = now - window_s
-    for result in results:
-        for t in result.timings:
-            busy[t.stage] += max(0.0, min(t.end, now) - max(t.start, since))
-    return tuple(min(1.0, b / window_s) for b in busy)
 
 
 def _sigterm_as_sigint() -> None:

@@ -14,6 +14,7 @@ from engine.model_config import ConfigError, ModelConfig
 from engine.partition import partition_layers
 from transport.tensor_channel import resolve_kind
 
+SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
@@ -34,7 +35,12 @@ class EngineConfig:
     max_running_requests: int = 256
     max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
     max_batched_tokens: int = 2048  # new tokens per micro-batch
-    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch
+    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
+    dynamic_chunking: bool = False  # size later chunks of a prompt from a prefill latency model
+    chunk_smooth: float = 0.75  # how strictly chunk sizes follow the model (0: fixed, 1: strictly)
+    # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
+    # + c seconds for the whole model (see engine/synthetic.py). For studying scheduling at any pp size.
+    synthetic_latency: tuple[float, float, float] | None = None
     async_depth: int = 1  # plans in flight beyond one per stage
     threads_per_stage: int = 1
     stage_start_timeout_s: float = 120.0
@@ -60,6 +66,9 @@ class EngineConfig:
         max_waiting_requests: int = 4096,
         max_batched_tokens: int | None = None,
         chunked_prefill_size: int = 512,
+        dynamic_chunking: bool = False,
+        chunk_smooth: float | None = None,
+        synthetic_latency: tuple[float, float, float] | None = None,
         async_depth: int = 1,
         threads_per_stage: int | None = None,
         stage_start_timeout_s: float = 120.0,
@@ -106,6 +115,14 @@ class EngineConfig:
             raise ConfigError(
                 f"max_batched_tokens ({max_batched_tokens}) must be >= chunked_prefill_size ({chunked_prefill_size})"
             )
+        if chunk_smooth is None:
+            chunk_smooth = _env_float(SMOOTH_ENV, 0.75)
+        if not 0.0 <= chunk_smooth <= 1.0:
+            raise ConfigError(f"the dynamic chunking smooth factor must be in [0, 1], got {chunk_smooth}")
+        if synthetic_latency is not None and (
+            len(synthetic_latency) != 3 or not all(math.isfinite(v) and v >= 0 for v in synthetic_latency)
+        ):
+            raise ConfigError(f"synthetic latency needs three finite numbers >= 0 (a, b, c), got {synthetic_latency}")
         if async_depth < 0:
             raise ConfigError(f"async_depth must be >= 0, got {async_depth}")
         if threads_per_stage is None:
@@ -133,6 +150,9 @@ class EngineConfig:
             max_waiting_requests=max_waiting_requests,
             max_batched_tokens=max_batched_tokens,
             chunked_prefill_size=chunked_prefill_size,
+            dynamic_chunking=dynamic_chunking,
+            chunk_smooth=chunk_smooth,
+            synthetic_latency=synthetic_latency,
             async_depth=async_depth,
             threads_per_stage=threads_per_stage,
             stage_start_timeout_s=stage_start_timeout_s,
@@ -142,6 +162,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
 
 
 def _resolve_dtype(dtype: str, model_config: ModelConfig, device: str) -> str:

@@ -56,6 +56,7 @@ class StagePool:
         self.procs: list[BaseProcess] = []
         self.last_seen: list[float] = []
         self.failed: StageError | None = None
+        self.profiles: list[list[tuple[int, int, float]]] = [[] for _ in range(config.pp_size)]
         self._tasks: list[asyncio.Task[None]] = []
 
     def _channel_specs(self) -> list[ChannelSpec]:
@@ -118,6 +119,7 @@ class StagePool:
                 if msg.protocol != PROTOCOL_VERSION:
                     raise StageError(f"stage {msg.stage} speaks protocol {msg.protocol}, host {PROTOCOL_VERSION}")
                 ready.add(msg.stage)
+                self.profiles[msg.stage] = msg.profile
             self._seen(msg)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._monitor())]
 

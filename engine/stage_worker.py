@@ -21,10 +21,13 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig
+from engine.latency_profile import profile_points, run_profile
+from engine.synthetic import SyntheticRunner
 from transport.addresses import Addresses
 from transport.control import PullSocket, PushSocket, context
 from transport.messages import (
@@ -40,6 +43,9 @@ from transport.messages import (
     Timing,
 )
 from transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
+
+if TYPE_CHECKING:
+    from engine.stage_runner import StageRunner
 
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
@@ -122,8 +128,6 @@ class StageWorker:
             self._close()
 
     async def _start(self) -> None:
-        from engine.stage_runner import StageRunner
-
         launch = self.launch
         kinds = {s.kind for s in (launch.inbound, launch.outbound) if s is not None}
         if kinds & {"gloo", "nccl"}:
@@ -133,7 +137,10 @@ class StageWorker:
             init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port)
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(self.compute_pool, StageRunner, self.config, self.stage)
+        self.runner = await loop.run_in_executor(self.compute_pool, _make_runner, self.config, self.stage)
+        profile: list[tuple[int, int, float]] = []
+        if self.config.dynamic_chunking:
+            profile = await loop.run_in_executor(self.compute_pool, self._profile)
         if self.last:
             from engine.sampler import Sampler
 
@@ -142,7 +149,14 @@ class StageWorker:
             self.inbound = open_channel(self.ctx, launch.inbound, sender=False)
         if launch.outbound is not None:
             self.outbound = open_channel(self.ctx, launch.outbound, sender=True)
-        await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid()))
+        await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile))
+
+    def _profile(self) -> list[tuple[int, int, float]]:
+        """Compute thread: time prefills for the host's chunk-size model."""
+        cfg = self.config
+        points = profile_points(cfg.chunked_prefill_size, min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size))
+        hidden = (cfg.model_config.hidden_size, cfg.torch_dtype) if self.stage > 0 else None
+        return run_profile(self.runner.execute, points, cfg.block_size, hidden)
 
     async def _receive(self, received: asyncio.Queue[Received | None]) -> None:
         hidden_size = self.config.model_config.hidden_size
@@ -223,6 +237,14 @@ class StageWorker:
         self.plans.close()
         self.compute_pool.shutdown(wait=False, cancel_futures=True)
         self.ctx.term()
+
+
+def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
+    if config.synthetic_latency is not None:
+        return SyntheticRunner(config, stage)
+    from engine.stage_runner import StageRunner
+
+    return StageRunner(config, stage)
 
 
 def _keep_freed_memory() -> None:

@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler.block_allocator import BlockAllocator
+from scheduler.chunk_predictor import ChunkSizePredictor
+from scheduler.latency_tracker import LatencyTracker
 from scheduler.request import FinishReason, Request
 from transport.messages import NewRequest, Sampled, SeqChunk, StepPlan, StepResult
 
@@ -36,12 +38,15 @@ class SchedulerConfig:
     async_depth: int = 1
     max_running_requests: int = 256
     max_batched_tokens: int = 2048  # new tokens per micro-batch
-    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch
+    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
+    dynamic_chunking: bool = False  # later chunks of a prompt shrink so that every chunk takes equal time
+    chunk_smooth: float = 0.75  # 0: fixed chunks; 1: follow the latency model strictly
 
 
 @dataclass
 class _InFlight:
     items: list[tuple[Request, int]]  # (request, tokens in this plan)
+    prefill: tuple[int, int] | None  # (prefix, tokens) when the plan is one prefill chunk: a latency sample
 
 
 class Scheduler:
@@ -58,6 +63,10 @@ class Scheduler:
         self._next_mb = 0
         self._released: list[str] = []  # announced requests the last stage may forget
         self.num_preemptions = 0
+        self.chunker = ChunkSizePredictor(
+            config.chunked_prefill_size, config.chunk_smooth if config.dynamic_chunking else 0.0, config.block_size
+        )
+        self.latency = LatencyTracker(config.pp_size, config.chunked_prefill_size)
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -103,13 +112,13 @@ class Scheduler:
                 continue  # preempted just now (a running request always holds blocks)
             if r.awaiting_sample or r.num_scheduled_tokens >= r.num_tokens:
                 continue
-            n = min(r.num_tokens - r.num_scheduled_tokens, budget, cfg.chunked_prefill_size)
+            n = min(self._chunk_size(r), budget)
             if self._reserve(r, n):
                 budget -= self._take(r, n, items)
 
         while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
             r = self.waiting[0]
-            n = min(r.num_tokens - r.num_scheduled_tokens, budget, cfg.chunked_prefill_size)
+            n = min(self._chunk_size(r), budget)
             if self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table) > self.allocator.num_free:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -120,6 +129,14 @@ class Scheduler:
         if not items:
             return None
         return self._emit(items)
+
+    def _chunk_size(self, r: Request) -> int:
+        """Tokens r would take next: a decode step, or a prefill chunk (sized by the predictor:
+        fixed, or shrinking with the prefix so that every chunk takes the same time)."""
+        remaining = r.num_tokens - r.num_scheduled_tokens
+        if remaining <= 1:
+            return remaining
+        return self.chunker.next_chunk(r.num_scheduled_tokens, remaining)
 
     @staticmethod
     def _take(r: Request, n: int, items: list[tuple[Request, int]]) -> int:
@@ -163,7 +180,8 @@ class Scheduler:
                 new.append(NewRequest(r.request_id, r.params.wire()))
         mb_id = self._next_mb
         self._next_mb += 1
-        self.inflight[mb_id] = _InFlight(items)
+        single = len(chunks) == 1 and chunks[0].num_new > 1
+        self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
         plan = StepPlan(mb_id, chunks, new, self._released)
         self._released = []
         return plan
@@ -173,6 +191,10 @@ class Scheduler:
     def update(self, result: StepResult) -> list[tuple[Request, Sampled]]:
         """Apply a finished micro-batch; returns each live request's new token (finished ones included)."""
         record = self.inflight.pop(result.mb_id)
+        if record.prefill is not None and self.config.dynamic_chunking:
+            for t in result.timings:
+                if (model := self.latency.observe(t.stage, *record.prefill, t.end - t.start)) is not None:
+                    self.chunker.set_model(model)
         for r, n in record.items:
             r.inflight_plans -= 1
             if not r.finished:
@@ -202,6 +224,10 @@ class Scheduler:
         r.block_table.clear()
         if self.requests.pop(r.request_id, None) is not None and r.announced:
             self._released.append(r.request_id)
+
+    def set_profile(self, stage: int, samples: list[tuple[int, int, float]]) -> None:
+        """A stage's start-up latency profile: (prefix, tokens, seconds) per timed prefill."""
+        self.chunker.set_model(self.latency.set_profile(stage, samples))
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
         """Everything waiting or running ends (a stage died); returns those requests."""

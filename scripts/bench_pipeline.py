@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.timeline import Interval  # noqa: E402
 from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 from transport.addresses import free_port_block  # noqa: E402
@@ -109,23 +111,25 @@ async def overhead(model_dir: Path, seconds: float) -> dict[str, float]:
 
         tasks = [asyncio.create_task(run(i)) for i in range(8)]
         await asyncio.sleep(1.0)  # warm-up
-        start_mb = len(engine.timings)
-        start = time.perf_counter()
+        start_wall, start = time.time(), time.perf_counter()
         await asyncio.sleep(seconds)
         elapsed = time.perf_counter() - start
-        results = list(engine.timings)[-(len(engine.timings) - start_mb) :]
+        intervals = [i for i in engine.timeline.intervals if i.start >= start_wall]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    mbs = len(results) / elapsed
+    by_mb: dict[int, list[Interval]] = {}
+    for i in intervals:
+        by_mb.setdefault(i.mb_id, []).append(i)
+    mbs = len({i.mb_id for i in intervals if i.stage == 0}) / elapsed
     # Hop latency: from stage i's compute end to stage i+1's compute start, same micro-batch.
     hops = [
         (b.start - a.end) * 1e6
-        for r in results
-        for a, b in zip(r.timings, r.timings[1:], strict=False)
+        for stages in by_mb.values()
+        for a, b in itertools.pairwise(sorted(stages, key=lambda i: i.stage))
         if b.start >= a.end
     ]
-    compute = [(t.end - t.start) * 1e6 for r in results for t in r.timings]
+    compute = [(i.end - i.start) * 1e6 for i in intervals]
     return {
         "micro_batches_per_s": mbs,
         "hop_us_median": statistics.median(hops),

@@ -119,6 +119,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/debug/timeline", timeline)
     openai_api.add_routes(app)
     native_api.add_routes(app)
     return app
@@ -199,3 +200,11 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": state.config.max_model_len,
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def timeline(request: web.Request) -> web.Response:
+    """Recent per-stage compute intervals as Chrome trace JSON (open it in Perfetto)."""
+    state = request.app[STATE]
+    engine = state.ready
+    label = "ppserve (synthetic stages)" if state.config.synthetic_latency else "ppserve"
+    return web.json_response(engine.timeline.chrome_trace(label))

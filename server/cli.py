@@ -56,6 +56,26 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         help="how activations travel between stages (auto: nccl on CUDA, else shm)",
     )
     p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once")
+    p.add_argument(
+        "--enable-dynamic-chunking",
+        action="store_true",
+        help="shrink later prefill chunks of a long prompt so every chunk takes equal time (profiles at start-up)",
+    )
+    p.add_argument(
+        "--dynamic-chunking-smooth-factor",
+        type=float,
+        default=None,
+        help="0 = fixed chunks .. 1 = follow the latency model strictly (default 0.75, or env "
+        "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR)",
+    )
+    p.add_argument(
+        "--synthetic-latency",
+        type=_parse_latency,
+        default=None,
+        metavar="A,B,C",
+        help="synthetic stages: no math, each micro-batch waits a*attention + b*tokens (whole model, split by "
+        "layers) + c seconds per stage; output is labelled synthetic",
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -66,6 +86,14 @@ def _parse_ids(text: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError("token ids must be non-negative")
     return ids
+
+
+def _parse_latency(text: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers A,B,C, got {text!r}") from None
+    return a, b, c
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +164,9 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         max_waiting_requests=max_waiting_requests,
+        dynamic_chunking=args.enable_dynamic_chunking,
+        chunk_smooth=args.dynamic_chunking_smooth_factor,
+        synthetic_latency=args.synthetic_latency,
     )
 
 

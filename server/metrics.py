@@ -8,13 +8,14 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.async_engine import EngineStats
 from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -82,3 +83,20 @@ class _EngineCollector(Collector):
         for stage, fraction in enumerate(s.stage_busy):
             busy.add_metric([str(stage)], fraction)
         yield busy
+        chunks = HistogramMetricFamily("ppserve_prefill_chunk_tokens", "Sizes of the prefill chunks scheduled")
+        counts = [sum(n for size, n in s.prefill_chunks.items() if size <= le) for le in _CHUNK_BUCKETS]
+        total = sum(s.prefill_chunks.values())
+        buckets = [(str(le), float(c)) for le, c in zip(_CHUNK_BUCKETS, counts, strict=True)]
+        chunks.add_metric(
+            [], [*buckets, ("+Inf", float(total))], sum_value=sum(k * n for k, n in s.prefill_chunks.items())
+        )
+        yield chunks
+        if s.latency_model is not None:
+            model = GaugeMetricFamily(
+                "ppserve_prefill_latency_coefficient",
+                "Fitted prefill latency f(l) = a*l^2 + b*l + c of the bottleneck stage (seconds)",
+                labels=["term"],
+            )
+            for term, value in zip("abc", s.latency_model, strict=True):
+                model.add_metric([term], value)
+            yield model

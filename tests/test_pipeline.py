@@ -86,9 +86,8 @@ async def test_long_prompt_fills_every_stage(llama_dir: Path) -> None:
     expected = pipeline(llama_dir, num_kv_blocks=512).generate([prompt], params)[0].token_ids
     async with AsyncEngine(engine_config(llama_dir, 3, chunked_prefill_size=32)) as engine:
         assert await collect(engine, prompt, params) == expected
-        results = list(engine.timings)
-    # Compute intervals of different micro-batches on different stages overlap in time.
-    intervals = [(r.mb_id, t.stage, t.start, t.end) for r in results for t in r.timings]
+        # Compute intervals of different micro-batches on different stages overlap in time.
+        intervals = [(i.mb_id, i.stage, i.start, i.end) for i in engine.timeline.intervals]
     overlaps = {
         (s1, s2)
         for m1, s1, a1, b1 in intervals

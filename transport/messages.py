@@ -83,6 +83,7 @@ class StageReady(Msg, frozen=True):
     protocol: int
     num_kv_blocks: int
     pid: int
+    profile: list[tuple[int, int, float]] = []  # start-up prefill timings: (prefix, tokens, seconds)
 
 
 class StageFailed(Msg, frozen=True):
