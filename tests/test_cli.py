@@ -14,6 +14,7 @@ from live_server import ROOT, LiveServer
 
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
+from server.cli import build_parser
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -163,3 +164,34 @@ def test_embed_example_runs_and_is_in_readme(llama_dir: Path) -> None:
     # The README shows this file's code; keep the two from drifting apart.
     code = script.read_text().split('"""', 2)[2].strip()
     assert code in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (["--dynamic-chunking-smooth-factor", "1.5"], {}, "smooth factor must be in [0, 1]"),
+        (["--dynamic-chunking-smooth-factor", "-0.1"], {}, "smooth factor must be in [0, 1]"),
+        ([], {"PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR": "lots"}, "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"),
+        ([], {"PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR": "2"}, "smooth factor must be in [0, 1]"),
+        (["--synthetic-latency", "1,2"], {}, "A,B,C"),
+        (["--synthetic-latency", "1,-2,3"], {}, "synthetic latency"),
+    ],
+)
+def test_chunking_flag_errors(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], env: dict[str, str], message: str
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    res = run_cli("generate", "--model", str(llama_dir), "--prompt", "x", "--enable-dynamic-chunking", *flags)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_smooth_factor_from_flag_or_environment(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.config import EngineConfig
+
+    assert EngineConfig.create(llama_dir, num_kv_blocks=8).chunk_smooth == 0.75
+    monkeypatch.setenv("PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.4")
+    assert EngineConfig.create(llama_dir, num_kv_blocks=8).chunk_smooth == 0.4
+    assert EngineConfig.create(llama_dir, num_kv_blocks=8, chunk_smooth=1.0).chunk_smooth == 1.0  # the flag wins
+    args = build_parser().parse_args(["serve", "--enable-dynamic-chunking", "--synthetic-latency", "1e-9,2e-5,0.001"])
+    assert args.enable_dynamic_chunking and args.synthetic_latency == (1e-9, 2e-5, 0.001)
