@@ -1,7 +1,9 @@
 """The aiohttp application: routes, authentication, errors, and the engine's lifetime.
 
     app = create_app(EngineConfig.create(...), ServerOptions(api_key="..."))
-    web.run_app(app)                        # or `ppserve serve`
+    web.run_app(app, handler_cancellation=True)     # or `ppserve serve`
+
+(handler_cancellation: a client that disconnects cancels its handler, which aborts its request.)
 
 The engine starts with the app (`cleanup_ctx`) and stops with it. Handlers live in
 `openai_api.py` (OpenAI-compatible) and `native_api.py` (/generate, /ws); what they share
