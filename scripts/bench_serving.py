@@ -2,7 +2,8 @@
 
 Every request streams a prompt of random token ids (so lengths are exact) with temperature 0,
 ignore_eos and max_tokens set, arriving all at once or as a Poisson process. Reported: request
-and output-token throughput, TTFT and inter-token latency (ITL) percentiles, e2e median.
+and output-token throughput, TTFT and inter-token latency (ITL) percentiles, e2e median, and
+(Linux) the CPU each side spent: client, server, stages, and other processes on the machine.
 
     # against any OpenAI-compatible server: HTTP only
     python scripts/bench_serving.py --url http://127.0.0.1:8000 [--api-key K] [--model-name M]
@@ -41,6 +42,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import torch
+import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,28 +64,18 @@ class Job:
 
 @dataclass
 class Record:
-    ttft: float = math.nan  # seconds from send to the first chunk carrying tokens
-    itls: list[float] = field(default_factory=list)  # gaps between successive token chunks
-    e2e: float = math.nan
+    """One request, created right before it is sent: when each chunk carrying tokens came, the outcome.
+    TTFT is the first chunk's time, ITLs the gaps between chunks, the same in both modes."""
+
+    start: float = field(default_factory=time.perf_counter)
+    chunks: list[float] = field(default_factory=list)
+    end: float = math.nan
     output_tokens: int = 0
     error: str | None = None
 
-
-class Clock:
-    """Timestamps of one request's token-carrying chunks; created right before the send."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.chunks: list[float] = []
-
-    def chunk(self) -> None:
-        self.chunks.append(time.perf_counter())
-
-    def record(self, tokens: int, error: str | None = None) -> Record:
-        c = self.chunks
-        ttft = c[0] - self.start if c else math.nan
-        itls = [b - a for a, b in itertools.pairwise(c)]
-        return Record(ttft, itls, time.perf_counter() - self.start, tokens, error)
+    def finish(self, tokens: int, error: str | None = None) -> Record:
+        self.end, self.output_tokens, self.error = time.perf_counter(), tokens, error
+        return self
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -120,17 +112,67 @@ async def run_jobs(jobs: list[Job], one: Callable[[Job], Awaitable[Record]]) -> 
     return list(records), time.perf_counter() - start
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, all threads) used so far by these processes (Linux /proc)."""
+    try:
+        stats = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for pid in pids]
+    except OSError:
+        return math.nan
+    return sum(int(f[11]) + int(f[12]) for f in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The stage processes: children of the server, or of this process in-process."""
+    kids = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(entry.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.parent.name))
+    return kids
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes on the machine used so far (user, nice, system, irq, softirq, steal)."""
+    with contextlib.suppress(OSError):
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    return math.nan
+
+
+async def measured(jobs: list[Job], one: Callable[[Job], Awaitable[Record]], server_pid: int | None) -> dict[str, Any]:
+    """One measured run, and the CPU each side spent on it. Other load on the machine (its CPU
+    use is `other_cpu_s`) slows a run down; tokens per CPU-second of ours hardly notices it."""
+    parts = {
+        "client": [os.getpid()],  # in-process: the engine's host, which is also the client
+        "server": [server_pid] if server_pid else [],
+        "stages": children(server_pid or os.getpid()),
+    }
+    before = {k: cpu_s(v) for k, v in parts.items()}
+    busy = machine_busy_s()
+    out = summarize(jobs, *await run_jobs(jobs, one))
+    busy = machine_busy_s() - busy
+    for k, pids in parts.items():
+        out[f"{k}_cpu_s"] = cpu_s(pids) - before[k]
+    ours = sum(out[f"{k}_cpu_s"] for k in parts)
+    tokens = out["output_token_throughput"] * out["duration_s"]
+    out["other_cpu_s"] = busy - ours
+    out["host_cpu_us_per_token"] = (out["client_cpu_s"] + out["server_cpu_s"]) / tokens * 1e6 if tokens else math.nan
+    # Only with the stages in sight (not with --url, where a local server counts as "other").
+    out["tokens_per_cpu_s"] = tokens / ours if parts["stages"] and ours else math.nan
+    return out
+
+
 def summarize(jobs: list[Job], records: list[Record], duration: float) -> dict[str, Any]:
     for job, r in zip(jobs, records, strict=True):
-        if r.error is None and r.output_tokens != job.output_len:
+        if r.error is None and (r.output_tokens != job.output_len or not r.chunks):
             r.error = f"asked for {job.output_len} tokens, got {r.output_tokens}"
     ok = [r for r in records if r.error is None]
     ms = {
-        "ttft": [r.ttft * 1e3 for r in ok],
-        "itl": [x * 1e3 for r in ok for x in r.itls],
+        "ttft": [(r.chunks[0] - r.start) * 1e3 for r in ok],
+        "itl": [(b - a) * 1e3 for r in ok for a, b in itertools.pairwise(r.chunks)],
         # Time per output token after the first: robust to chunks that carry several tokens.
-        "tpot": [(r.e2e - r.ttft) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-        "e2e": [r.e2e * 1e3 for r in ok],
+        "tpot": [(r.end - r.chunks[0]) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "e2e": [(r.end - r.start) * 1e3 for r in ok],
     }
     out: dict[str, Any] = {
         "completed": len(ok),
@@ -162,28 +204,30 @@ async def http_one(session: aiohttp.ClientSession, url: str, args: argparse.Name
     if args.model_name:
         body["model"] = args.model_name
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    clock, usage_tokens = Clock(), None
+    rec, usage_tokens = Record(), None
     try:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
-                return clock.record(0, f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                return rec.finish(0, f"HTTP {resp.status}: {(await resp.text())[:200]}")
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
                     continue
                 event = msgspec.json.decode(data)
                 if "error" in event:
-                    return clock.record(0, str(event["error"])[:200])
+                    return rec.finish(0, str(event["error"])[:200])
                 if event.get("choices"):  # every choice chunk carries >= 1 token
-                    clock.chunk()
+                    rec.chunks.append(time.perf_counter())
                 if event.get("usage"):
                     usage_tokens = event["usage"]["completion_tokens"]
     except (TimeoutError, aiohttp.ClientError) as e:
-        return clock.record(0, repr(e))
-    return clock.record(len(clock.chunks) if usage_tokens is None else usage_tokens)
+        return rec.finish(0, repr(e))
+    return rec.finish(len(rec.chunks) if usage_tokens is None else usage_tokens)
 
 
-async def http_run(url: str, args: argparse.Namespace, warmup: list[Job], jobs: list[Job]) -> dict[str, Any]:
+async def http_run(
+    url: str, args: argparse.Namespace, warmup: list[Job], jobs: list[Job], server_pid: int | None = None
+) -> dict[str, Any]:
     # One session for all requests; no connection cap, so the arrival schedule is never throttled.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -193,33 +237,28 @@ async def http_run(url: str, args: argparse.Namespace, warmup: list[Job], jobs: 
             return http_one(session, url, args, job)
 
         await run_jobs(warmup, one)
-        return summarize(jobs, *await run_jobs(jobs, one))
+        return await measured(jobs, one, server_pid)
 
 
 @contextlib.contextmanager
-def served(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
-    """`ppserve serve` on a free port; yields its base URL; SIGTERM (then SIGKILL) on the way out."""
+def served(args: argparse.Namespace, model_dir: Path) -> Iterator[tuple[str, int]]:
+    """`ppserve serve` on a free port; yields (base URL, pid); SIGTERM (then SIGKILL) on the way out."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", "0"]
-    cmd += [*engine_flags(args), "--log-level", "warning"]
+    cmd += ["--pp-size", str(args.pp_size), "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning"]
+    cmd += ["--max-running-requests", str(args.max_running_requests)]
+    cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found = threading.Event()
-
-    def drain() -> None:  # keep reading, or the server blocks once the pipe fills
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"at http://\S+", line):
-                found.set()
-        found.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    assert proc.stdout is not None
     try:
-        found.wait(180)
-        match = next((m for ln in lines if (m := re.search(r"at (http://\S+)", ln))), None)
-        if match is None:
+        lines = []
+        for line in proc.stdout:  # the URL line comes once the stages are up; EOF if start-up failed
+            lines.append(line)
+            if match := re.search(r"at (http://\S+)", line):
+                break
+        else:
             raise RuntimeError("ppserve serve did not start:\n" + "".join(lines[-20:]))
-        yield match.group(1)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe would block it
+        yield match.group(1), proc.pid
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -233,25 +272,17 @@ def served(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
 # ---- in-process --------------------------------------------------------------------------------
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    return [
-        *("--pp-size", str(args.pp_size), "--kv-cache-gb", str(args.kv_cache_gb)),
-        *("--max-running-requests", str(args.max_running_requests)),
-        *("--chunked-prefill-size", str(args.chunked_prefill_size)),
-    ]
-
-
 async def engine_one(engine: AsyncEngine, job: Job) -> Record:
     params = SamplingParams(max_tokens=job.output_len, temperature=0.0, ignore_eos=True)
-    clock, tokens = Clock(), 0
+    rec, tokens = Record(), 0
     try:
         async for out in engine.generate(job.prompt, params):
             if out.token_ids:
-                clock.chunk()
+                rec.chunks.append(time.perf_counter())
                 tokens += len(out.token_ids)
     except Exception as e:
-        return clock.record(tokens, repr(e))
-    return clock.record(tokens)
+        return rec.finish(tokens, repr(e))
+    return rec.finish(tokens)
 
 
 async def engine_run(args: argparse.Namespace, model_dir: Path, warmup: list[Job], jobs: list[Job]) -> dict[str, Any]:
@@ -265,17 +296,12 @@ async def engine_run(args: argparse.Namespace, model_dir: Path, warmup: list[Job
     )
     async with AsyncEngine(config) as engine:
         await run_jobs(warmup, lambda j: engine_one(engine, j))
-        return summarize(jobs, *await run_jobs(jobs, lambda j: engine_one(engine, j)))
+        return await measured(jobs, lambda j: engine_one(engine, j), None)
 
 
 def run_async(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-    """uvloop when available, as `ppserve serve` uses: the comparison should differ only in HTTP."""
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
+    """uvloop, as `ppserve serve` uses: the two modes should differ only in HTTP."""
+    return uvloop.run(coro)
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -312,14 +338,18 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
 
 def print_table(modes: dict[str, dict[str, Any]]) -> None:
     rows = [("req/s", "request_throughput"), ("output tok/s", "output_token_throughput")]
-    rows += [(f"{s.upper()} p{q} (ms)", f"{s}_ms_p{q}") for s in STATS for q in (50, 90, 99) if s != "e2e" or q == 50]
+    rows += [
+        (f"{s.upper()} p{q} (ms)", f"{s}_ms_p{q}") for s in STATS for q in (50, 90, 99) if s in STATS[:2] or q == 50
+    ]
+    rows.append(("host CPU us/token", "host_cpu_us_per_token"))  # client + server, or the engine's host
+    rows += [("tok per CPU-s", "tokens_per_cpu_s"), ("others' CPU-s", "other_cpu_s")]
     names = list(modes)
     print(f"{'':18s}" + "".join(f"{n:>12s}" for n in names) + ("   ratio" if len(names) == 2 else ""))
     for label, key in rows:
         vals = [modes[n][key] for n in names]
         ratio = f"{vals[0] / vals[1]:8.2f}" if len(vals) == 2 and vals[1] else ""
         print(f"{label:18s}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
-    print("failed requests: " + ", ".join(f"{n} {modes[n]['failed']}" for n in names))
+    print("failed requests: " + ", ".join(f"{n} {modes[n]['failed']:.0f}" for n in names))
 
 
 def main() -> None:
@@ -360,8 +390,8 @@ def main() -> None:
         # Alternate which mode goes first, so drift in the machine's speed hits both alike.
         for mode in ("http", "in-process") if i % 2 == 0 else ("in-process", "http"):
             if mode == "http":
-                with served(args, model_dir) as url:
-                    result = run_async(http_run(url, args, warmup, jobs))
+                with served(args, model_dir) as (url, pid):
+                    result = run_async(http_run(url, args, warmup, jobs, pid))
             else:
                 result = run_async(engine_run(args, model_dir, warmup, jobs))
             runs.setdefault(mode, []).append(result)
@@ -370,7 +400,10 @@ def main() -> None:
     modes = {m: median_summary(r) for m, r in runs.items()}
     report: dict[str, Any] = {
         "benchmark": "serving",
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "api_key"},
+        "config": {
+            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "api_key"},
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        },
         "model_dir": str(model_dir),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "torch": torch.__version__,
@@ -380,20 +413,23 @@ def main() -> None:
     if "in-process" in modes:
         http, local = modes["http"], modes["in-process"]
         report["ratio_http_over_inprocess_tok_s"] = http["output_token_throughput"] / local["output_token_throughput"]
+        # The same ratio per CPU-second spent: what HTTP costs, less sensitive to other load.
+        report["ratio_http_over_inprocess_tok_per_cpu_s"] = http["tokens_per_cpu_s"] / local["tokens_per_cpu_s"]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "serving" + (f"_{args.tag}" if args.tag else "")
+    # NaN (a statistic with no samples) is not JSON: write null.
+    report = json.loads(json.dumps(report), parse_constant=lambda _: None)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate:g} req/s"
-    plot(
-        runs,
-        out_dir / f"{stem}.png",
-        f"{args.num_requests} requests, {rate}, in {args.input_len}, out {args.output_len}",
-    )
+    lens = "input {}:{}, output {}:{} tokens".format(*args.input_len, *args.output_len)
+    title = f"{args.num_requests} requests, {rate}, {lens}"
+    plot(runs, out_dir / f"{stem}.png", title)
 
     print_table(modes)
     if "ratio_http_over_inprocess_tok_s" in report:
-        print(f"HTTP / in-process output tok/s: {report['ratio_http_over_inprocess_tok_s']:.3f} (target >= 0.9)")
+        ratios = (report["ratio_http_over_inprocess_tok_s"], report["ratio_http_over_inprocess_tok_per_cpu_s"])
+        print("HTTP / in-process output tok/s: {:.3f} (target >= 0.9); per CPU-second: {:.3f}".format(*ratios))
     print(f"wrote {out_dir / stem}.json and .png")
 
 
