@@ -1,41 +1,69 @@
 """Prometheus metrics: request latencies measured where clients see them, engine state read at
-scrape time (so nothing has to keep gauges up to date)."""
+scrape time (so nothing has to keep gauges up to date).
+
+Counts and histograms are plain Python numbers updated on every token and turned into
+Prometheus families only when /metrics is scraped: prometheus_client's own Histogram takes a
+lock and walks its buckets on every observation, which at thousands of tokens per second is a
+measurable share of the server's CPU.
+"""
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.async_engine import EngineStats
 from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-class ServerMetrics:
+class _Histogram:
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.buckets = name, doc, buckets
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+
+    def family(self) -> HistogramMetricFamily:
+        return _histogram_family(self.name, self.doc, self.buckets, self.counts, self.sum)
+
+
+def _histogram_family(
+    name: str, doc: str, bounds: tuple[float, ...], counts: list[int], total: float
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc)
+    cumulative, running = [], 0
+    for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+        running += n
+        cumulative.append((le, float(running)))
+    family.add_metric([], cumulative, sum_value=total)
+    return family
+
+
+class ServerMetrics(Collector):
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()  # finish reason -> requests
+        self.ttft = _Histogram("ppserve_time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS)
+        self.itl = _Histogram("ppserve_inter_token_latency_seconds", "Time between generated tokens", _TOKEN_BUCKETS)
+        self.e2e = _Histogram("ppserve_e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS)
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.prompt_tokens = Counter("ppserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("ppserve_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("ppserve_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.ttft = Histogram(
-            "ppserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "ppserve_inter_token_latency_seconds", "Time between generated tokens", buckets=_TOKEN_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            "ppserve_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        r.register(_EngineCollector(stats))
+        self.registry.register(self)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -48,55 +76,57 @@ class ServerMetrics:
         async with aclosing(outputs):
             async for out in outputs:
                 now = time.monotonic()
-                if out.token_ids:
+                if n := len(out.token_ids):
                     if first:
                         self.ttft.observe(now - start)
                         first = False
-                    else:
-                        # Several tokens in one output (held back for a stop string) share the gap.
-                        for _ in out.token_ids:
-                            self.itl.observe((now - last) / len(out.token_ids))
+                    else:  # several tokens in one output (held back for a stop string) share the gap
+                        self.itl.observe((now - last) / n, n)
                     last = now
-                    self.generation_tokens.inc(len(out.token_ids))
+                    self.generation_tokens += n
                 if out.finished:
                     self.e2e.observe(now - start)
-                    self.prompt_tokens.inc(out.prompt_tokens)
-                    self.requests.labels(out.finish_reason or "abort").inc()
+                    self.prompt_tokens += out.prompt_tokens
+                    self.finished[out.finish_reason or "abort"] += 1
                 yield out
 
-
-class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
-        self.stats = stats
-
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        if s is None:  # the engine is not started yet
-            return
-        yield GaugeMetricFamily("ppserve_requests_running", "Requests being computed", value=s.running)
-        yield GaugeMetricFamily("ppserve_requests_waiting", "Requests waiting to start", value=s.waiting)
-        yield GaugeMetricFamily("ppserve_kv_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
-        yield GaugeMetricFamily("ppserve_kv_blocks_total", "KV-cache blocks per stage", value=s.kv_blocks_total)
-        busy = GaugeMetricFamily(
-            "ppserve_stage_busy_fraction", "Fraction of the last 10 s each stage spent computing", labels=["stage"]
+        yield CounterMetricFamily("ppserve_prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens)
+        yield CounterMetricFamily("ppserve_generation_tokens", "Generated tokens", self.generation_tokens)
+        requests = CounterMetricFamily("ppserve_requests", "Finished requests", labels=["finish_reason"])
+        for reason, n in sorted(self.finished.items()):
+            requests.add_metric([reason], n)
+        yield requests
+        yield from (h.family() for h in (self.ttft, self.itl, self.e2e))
+        yield from _engine_families(self.stats())
+
+
+def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
+    if s is None:  # the engine is not started yet
+        return
+    yield GaugeMetricFamily("ppserve_requests_running", "Requests being computed", value=s.running)
+    yield GaugeMetricFamily("ppserve_requests_waiting", "Requests waiting to start", value=s.waiting)
+    yield GaugeMetricFamily("ppserve_kv_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
+    yield GaugeMetricFamily("ppserve_kv_blocks_total", "KV-cache blocks per stage", value=s.kv_blocks_total)
+    busy = GaugeMetricFamily(
+        "ppserve_stage_busy_fraction", "Fraction of the last 10 s each stage spent computing", labels=["stage"]
+    )
+    for stage, fraction in enumerate(s.stage_busy):
+        busy.add_metric([str(stage)], fraction)
+    yield busy
+    counts = [0] * (len(_CHUNK_BUCKETS) + 1)
+    for size, n in s.prefill_chunks.items():
+        counts[bisect.bisect_left(_CHUNK_BUCKETS, size)] += n
+    total = float(sum(size * n for size, n in s.prefill_chunks.items()))
+    yield _histogram_family(
+        "ppserve_prefill_chunk_tokens", "Sizes of the prefill chunks scheduled", _CHUNK_BUCKETS, counts, total
+    )
+    if s.latency_model is not None:
+        model = GaugeMetricFamily(
+            "ppserve_prefill_latency_coefficient",
+            "Fitted prefill latency f(l) = a*l^2 + b*l + c of the bottleneck stage (seconds)",
+            labels=["term"],
         )
-        for stage, fraction in enumerate(s.stage_busy):
-            busy.add_metric([str(stage)], fraction)
-        yield busy
-        chunks = HistogramMetricFamily("ppserve_prefill_chunk_tokens", "Sizes of the prefill chunks scheduled")
-        counts = [sum(n for size, n in s.prefill_chunks.items() if size <= le) for le in _CHUNK_BUCKETS]
-        total = sum(s.prefill_chunks.values())
-        buckets = [(str(le), float(c)) for le, c in zip(_CHUNK_BUCKETS, counts, strict=True)]
-        chunks.add_metric(
-            [], [*buckets, ("+Inf", float(total))], sum_value=sum(k * n for k, n in s.prefill_chunks.items())
-        )
-        yield chunks
-        if s.latency_model is not None:
-            model = GaugeMetricFamily(
-                "ppserve_prefill_latency_coefficient",
-                "Fitted prefill latency f(l) = a*l^2 + b*l + c of the bottleneck stage (seconds)",
-                labels=["term"],
-            )
-            for term, value in zip("abc", s.latency_model, strict=True):
-                model.add_metric([term], value)
-            yield model
+        for term, value in zip("abc", s.latency_model, strict=True):
+            model.add_metric([term], value)
+        yield model
