@@ -175,17 +175,18 @@ class AsyncEngine:
             if not request.finished:
                 self.abort(rid)
 
-    def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> None:
+    def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None, pending: int = 0) -> None:
         """Raise what `generate` would raise for this request, without starting it: ValueError
         (naming the problem) for a prompt that cannot be served, EngineDeadError or
-        EngineOverloadedError when the engine cannot take it now."""
+        EngineOverloadedError when the engine cannot take it now (`pending`: requests the caller
+        has checked but not started yet, e.g. the other choices of one HTTP request)."""
         self._request("check", list(token_ids), params or SamplingParams())
-        self._check_admission()
+        self._check_admission(pending)
 
-    def _check_admission(self) -> None:
+    def _check_admission(self, pending: int = 0) -> None:
         if not self.healthy:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        if len(self.scheduler.waiting) + pending >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
 
     def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:

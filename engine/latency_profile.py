@@ -15,32 +15,29 @@ import torch
 from transport.messages import SeqChunk
 
 Execute = Callable[[Sequence[SeqChunk], "torch.Tensor | None"], torch.Tensor]
-BUDGET_S = 3.0  # profiling stops adding points after this long (once it has enough to fit)
-MIN_POINTS = 8  # the fit's minimum (scheduler.chunk_predictor.MIN_FIT_POINTS)
+BUDGET_S = 3.0  # after the from-scratch lengths, prefixed points are added until this much time has passed
+LENGTHS = 16  # from-scratch chunk sizes, always timed
 
 
-def profile_points(chunk: int, max_tokens: int, lengths: int = 16) -> list[tuple[int, int]]:
-    """(prefix, tokens) pairs: `lengths` chunk sizes from C/4 to 1.25*C from scratch, interleaved
-    with chunks of C/2 and C after prefixes of C, 2C, 4C, 8C (what pins down the attention term),
-    all within `max_tokens`. Interleaved so that a cut-off by the time budget keeps both kinds."""
+def profile_points(chunk: int, max_tokens: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(prefix, tokens) pairs, all within `max_tokens`: LENGTHS chunk sizes from C/4 to 1.25*C
+    from scratch (what f(l) is fitted to), and chunks of C/2 and C after prefixes of C, 2C, 4C, 8C
+    (which pin down the attention term at the prefixes long prompts reach)."""
     lo, hi = max(1, chunk // 4), max(2, chunk + chunk // 4)
-    fresh = sorted({round(lo + (hi - lo) * i / (lengths - 1)) for i in range(lengths)})
+    fresh = sorted({round(lo + (hi - lo) * i / (LENGTHS - 1)) for i in range(LENGTHS)})
     prefixed = [(p * chunk, x) for p in (1, 2, 4, 8) for x in (chunk // 2, chunk) if x >= 1]
-    points: list[tuple[int, int]] = []
-    for i in range(max(len(fresh), len(prefixed))):
-        points += [(0, fresh[i])] if i < len(fresh) else []
-        points += [prefixed[i]] if i < len(prefixed) else []
-    return [(p, x) for p, x in points if p + x <= max_tokens]
+    return [(0, x) for x in fresh if x <= max_tokens], [(p, x) for p, x in prefixed if p + x <= max_tokens]
 
 
 def run_profile(
     execute: Execute,
-    points: Sequence[tuple[int, int]],
+    points: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]],
     block_size: int,
     hidden_shape: tuple[int, torch.dtype] | None,
     budget_s: float = BUDGET_S,
 ) -> list[tuple[int, int, float]]:
-    """Time `execute` on each (prefix, tokens) point; returns (prefix, tokens, seconds).
+    """Time `execute` on each (prefix, tokens) point of `profile_points`: all the from-scratch ones,
+    then prefixed ones while the time budget lasts. Returns (prefix, tokens, seconds).
     `hidden_shape` (hidden size, dtype) for stages that take activations, None for the first."""
 
     def run(prefix: int, tokens: int) -> float:
@@ -48,16 +45,19 @@ def run_profile(
         chunk = SeqChunk("profile", [0] * tokens, prefix, blocks, True)
         hidden = torch.zeros((tokens, hidden_shape[0]), dtype=hidden_shape[1]) if hidden_shape else None
         start = time.perf_counter()
-        execute([chunk], hidden)
+        out = execute([chunk], hidden)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)  # time the compute, not the kernel launches
         return time.perf_counter() - start
 
-    if not points:
+    fresh, prefixed = points
+    if not fresh:
         return []
-    run(*points[0])  # warm-up: first calls allocate buffers and pick kernels
+    run(*fresh[0])  # warm-up: first calls allocate buffers and pick kernels
     samples: list[tuple[int, int, float]] = []
     deadline = time.perf_counter() + budget_s
-    for prefix, tokens in points:
-        if len(samples) >= MIN_POINTS and time.perf_counter() > deadline:
+    for i, (prefix, tokens) in enumerate([*fresh, *prefixed]):
+        if i >= len(fresh) and time.perf_counter() > deadline:
             break
         # The faster of two runs: delays (other processes still starting up, a late wake-up) only
         # ever add time, and they would bias the fit.

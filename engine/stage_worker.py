@@ -191,6 +191,8 @@ class StageWorker:
     def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor | list[Sampled]:
         """Compute thread: this stage's layers; on the last stage, sampling too."""
         out = self.runner.execute(plan.chunks, hidden)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)  # so the stage's timing is its compute, not its kernel launches
         if not self.last:
             return out
         # Released requests have nothing in flight any more; drop them first, since a new

@@ -32,24 +32,30 @@ class LatencyTracker:
         self.profiles[stage] = list(samples)
         return self.refit()
 
-    def observe(self, stage: int, prefix: int, tokens: int, seconds: float) -> LatencyModel | None:
-        """Record one stage's time for a micro-batch that was a single prefill chunk; returns the
-        new model when this sample triggered a refit, else None."""
+    def observe(self, stage: int, prefix: int, tokens: int, seconds: float) -> bool:
+        """Record one stage's time for a micro-batch that was a single prefill chunk; returns True
+        when this sample triggered a refit (`model` is then the new fit, or None if it failed)."""
         self.recent[stage].append((prefix, tokens, seconds))
         self._since_fit += 1
         if self._since_fit < REFIT_EVERY * len(self.recent):
-            return None
-        return self.refit()
+            return False
+        self.refit()
+        return True
 
     def refit(self) -> LatencyModel | None:
-        """Fit every stage; keep the bottleneck's model. Returns it (None if no stage fits)."""
+        """Fit every stage; keep the bottleneck's model. Returns it (None if no stage fits).
+
+        The bottleneck is the stage that takes longest for a C-token chunk at the longest prefix
+        measured: where chunks shrink, the stage with the largest attention term sets the pace."""
         self._since_fit = 0
+        samples = [[*profile, *recent] for profile, recent in zip(self.profiles, self.recent, strict=True)]
+        prefix = max((p for stage in samples for p, _, _ in stage), default=0)
         best: tuple[float, int, LatencyModel] | None = None
-        for stage, (profile, recent) in enumerate(zip(self.profiles, self.recent, strict=True)):
-            model = fit_latency_model([*profile, *recent])
+        for stage, stage_samples in enumerate(samples):
+            model = fit_latency_model(stage_samples)
             if model is None:
                 continue
-            cost = model.chunk(0, self.initial_chunk)
+            cost = model.chunk(prefix, self.initial_chunk)
             if best is None or cost > best[0]:
                 best = (cost, stage, model)
         old = self.model

@@ -193,8 +193,8 @@ class Scheduler:
         record = self.inflight.pop(result.mb_id)
         if record.prefill is not None and self.config.dynamic_chunking:
             for t in result.timings:
-                if (model := self.latency.observe(t.stage, *record.prefill, t.end - t.start)) is not None:
-                    self.chunker.set_model(model)
+                if self.latency.observe(t.stage, *record.prefill, t.end - t.start):
+                    self.chunker.set_model(self.latency.model)
         for r, n in record.items:
             r.inflight_plans -= 1
             if not r.finished:

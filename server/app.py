@@ -26,11 +26,10 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 from server.metrics import ServerMetrics
-from server.protocol import ApiError
+from server.protocol import RETRY_AFTER_S, ApiError
 
 log = logging.getLogger("ppserve.server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -90,12 +89,13 @@ class ServerState:
         return requested
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, pending: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Check the request now (so errors come before any response is sent), then stream it."""
+        """Check the request now (so errors come before any response is sent), then stream it.
+        `pending`: streams of the same HTTP request submitted before this one (not queued yet)."""
         engine = self.ready
         try:
-            engine.check_request(prompt_ids, params)
+            engine.check_request(prompt_ids, params, pending)
         except ValueError as e:  # the prompt cannot be served (length, token ids)
             message = str(e) if "prompt" in str(e) else f"invalid prompt: {e}"
             raise ApiError(400, message, "prompt") from None
@@ -158,7 +158,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return web.json_response(ApiError(e.status, e.reason).body(), status=e.status)
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 says what is allowed
+        return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
     except (ConnectionResetError, ConnectionError):
         raise  # the client went away mid-response; nothing to answer
     except Exception:
@@ -200,6 +201,7 @@ async def models(request: web.Request) -> web.Response:
         "created": state.created,
         "owned_by": "ppserve",
         "max_model_len": state.config.max_model_len,
+        "synthetic": state.config.synthetic_latency is not None,  # stages that only model timing
     }
     return web.json_response({"object": "list", "data": [card]})
 

@@ -207,6 +207,8 @@ async def _generate_all(
 ) -> None:
     from engine.async_engine import AsyncEngine
 
+    if config.synthetic_latency:
+        print("ppserve generate: synthetic stages: timing model only, no real output", file=sys.stderr)
     async with AsyncEngine(config) as engine:
         if chat:
             prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": str(p)}]) for p in prompts]
@@ -284,8 +286,10 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
         for addr in runner.addresses:
             h, p = addr[0], addr[1]
             url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
+            synthetic = " (synthetic stages: timing model only, no real output)" if config.synthetic_latency else ""
             print(
-                f"ppserve: serving {options.served_model_name!r} with {config.pp_size} pipeline stage(s) at {url}",
+                f"ppserve: serving {options.served_model_name!r} with {config.pp_size} pipeline stage(s) at {url}"
+                + synthetic,
                 flush=True,
             )
         await stop.wait()

@@ -72,28 +72,35 @@ class ServerMetrics(Collector):
         """Pass `outputs` through, timing them. Closing this closes `outputs` (which aborts the
         request in the engine)."""
         start = last = time.monotonic()
-        first = True
+        first, finished = True, False
         async with aclosing(outputs):
-            async for out in outputs:
-                now = time.monotonic()
-                if n := len(out.token_ids):
-                    if first:
-                        self.ttft.observe(now - start)
-                        first = False
-                    else:  # several tokens in one output (held back for a stop string) share the gap
-                        self.itl.observe((now - last) / n, n)
-                    last = now
-                    self.generation_tokens += n
-                if out.finished:
-                    self.e2e.observe(now - start)
-                    self.prompt_tokens += out.prompt_tokens
-                    self.finished[out.finish_reason or "abort"] += 1
-                yield out
+            try:
+                async for out in outputs:
+                    now = time.monotonic()
+                    if n := len(out.token_ids):
+                        if first:
+                            self.ttft.observe(now - start)
+                            first = False
+                        else:  # several tokens in one output (held back for a stop string) share the gap
+                            self.itl.observe((now - last) / n, n)
+                        last = now
+                        self.generation_tokens += n
+                    if out.finished:
+                        finished = True
+                        self.e2e.observe(now - start)
+                        self.prompt_tokens += out.prompt_tokens
+                        self.finished[out.finish_reason or "abort"] += 1
+                    yield out
+            finally:
+                if not finished:  # closed early: the client went away or cancelled
+                    self.finished["abort"] += 1
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("ppserve_prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens)
         yield CounterMetricFamily("ppserve_generation_tokens", "Generated tokens", self.generation_tokens)
-        requests = CounterMetricFamily("ppserve_requests", "Finished requests", labels=["finish_reason"])
+        requests = CounterMetricFamily(
+            "ppserve_requests", "Finished requests (abort: the client left or cancelled)", labels=["finish_reason"]
+        )
         for reason, n in sorted(self.finished.items()):
             requests.add_metric([reason], n)
         yield requests

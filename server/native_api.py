@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -25,7 +27,9 @@ from aiohttp import WSMsgType, web
 from engine.outputs import RequestOutput
 from server.app import STATE, ServerState
 from server.protocol import ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
-from server.streams import Collected, EventStream, Stream, collect, merge
+from server.streams import Collected, Stream, collect, merge, sse_response
+
+log = logging.getLogger("ppserve.server")
 
 
 def add_routes(app: web.Application) -> None:
@@ -40,7 +44,9 @@ def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Strea
     return state.submit(ids, params, request_id)
 
 
-def _usage(r: Collected | RequestOutput) -> dict[str, int]:
+def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
+    if r is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0}
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
 
 
@@ -62,23 +68,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
             result["logprobs"] = [_logprob(lp.token_id, lp.logprob, lp.top_logprobs) for lp in r.logprobs]
         return web.json_response(result)
 
-    events = EventStream()
-    await events.start(request)
-    try:
-        async for _, out in merge([stream]):
-            await events.send(
-                {
+    async def events() -> AsyncGenerator[dict[str, Any], None]:
+        async with aclosing(merge([stream])) as outputs:
+            async for _, out in outputs:
+                usage = {"usage": _usage(out)} if out.finished else {}
+                yield {
                     "id": rid,
                     "text": out.text,
                     "token_ids": out.token_ids,
                     "finish_reason": out.finish_reason,
-                    **({"usage": _usage(out)} if out.finished else {}),
+                    **usage,
                 }
-            )
-    except ApiError as e:
-        await events.error(e)
-    await events.done()
-    return events.response
+
+    return await sse_response(request, events())
 
 
 def _logprob(token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
@@ -92,6 +94,7 @@ class _Socket:
         self.state = state
         self.ws = ws
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.notices: set[asyncio.Task[None]] = set()  # "done" events for requests cancelled before they ran
         self.lock = asyncio.Lock()
         self.prefix = f"ws-{uuid.uuid4().hex[:12]}-"
 
@@ -106,6 +109,13 @@ class _Socket:
         await self.send({"type": "error", "id": rid, "message": message})
 
     async def handle(self, data: str) -> None:
+        try:
+            await self._handle(data)
+        except Exception as e:  # whatever one message does wrong, the socket and its other requests live on
+            log.exception("websocket message failed")
+            await self.error(f"internal error: {e}", _peek_id(data))
+
+    async def _handle(self, data: str) -> None:
         try:
             msg: WsGenerate | WsCancel = decode(data, WsMessage)  # type: ignore[arg-type]
         except ApiError as e:
@@ -126,14 +136,28 @@ class _Socket:
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
-        self.tasks[msg.id] = asyncio.create_task(self.run(msg, stream))
+        task = asyncio.create_task(self.run(msg, stream))
+        self.tasks[msg.id] = task
+        task.add_done_callback(lambda t: self._ended(msg.id, t))
+
+    def _ended(self, rid: str, task: asyncio.Task[None]) -> None:
+        if self.tasks.get(rid) is task:
+            del self.tasks[rid]
+        if task.cancelled():
+            # Cancelled before its first step (generate and cancel in one read): `run` never ran,
+            # so nothing reached the engine, and the client still needs its "done".
+            done = {"type": "done", "id": rid, "finish_reason": "abort", "usage": _usage(None)}
+            notice = asyncio.get_running_loop().create_task(self.send(done))
+            self.notices.add(notice)
+            notice.add_done_callback(self.notices.discard)
 
     async def run(self, msg: WsGenerate, stream: Stream) -> None:
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = _usage(None)
+        finished = False
         try:
             async with aclosing(stream):
                 async for out in stream:
-                    usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
+                    usage = _usage(out)
                     for k, token_id in enumerate(out.token_ids):
                         text = out.text if k == len(out.token_ids) - 1 else ""
                         event: dict[str, Any] = {"type": "token", "id": msg.id, "token_id": token_id, "text": text}
@@ -141,22 +165,23 @@ class _Socket:
                             event["logprob"] = out.logprobs[k].logprob
                         await self.send(event)
                     if out.finished:
+                        finished = True
                         await self.send(
                             {"type": "done", "id": msg.id, "finish_reason": out.finish_reason, "usage": usage}
                         )
         except asyncio.CancelledError:
             # Cancelled by the client (or the socket closed): the stream is closed, so the engine
             # has aborted the request and freed its KV blocks.
-            await self.send({"type": "done", "id": msg.id, "finish_reason": "abort", "usage": usage})
+            if not finished:
+                await self.send({"type": "done", "id": msg.id, "finish_reason": "abort", "usage": usage})
         except Exception as e:
             await self.error(f"the request failed: {e}", msg.id)
-        finally:
-            self.tasks.pop(msg.id, None)
 
     async def close(self) -> None:
-        for task in list(self.tasks.values()):
+        tasks = list(self.tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, *self.notices, return_exceptions=True)
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
@@ -181,7 +206,7 @@ def _peek_id(data: str) -> str | None:
     """The id of a message we could not decode, if it has a readable one (to tag the error)."""
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     rid = value.get("id") if isinstance(value, dict) else None
     return rid if isinstance(rid, str) else None

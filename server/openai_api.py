@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +21,7 @@ from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 from server.app import STATE, ServerState
 from server.protocol import ApiError, ChatRequest, CompletionRequest, decode
-from server.streams import EventStream, Stream, collect, merge
+from server.streams import Stream, collect, merge, sse_response
 
 
 def add_routes(app: web.Application) -> None:
@@ -31,7 +33,10 @@ def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int,
     """n streams of one prompt; a seeded request gets seed + i for choice i."""
     return [
         state.submit(
-            ids, replace(params, seed=params.seed + i) if params.seed is not None else params, f"{rid}-{first + i}"
+            ids,
+            replace(params, seed=params.seed + i) if params.seed is not None else params,
+            f"{rid}-{first + i}",
+            pending=first + i,  # the choices before this one are checked but not queued yet
         )
         for i in range(n)
     ]
@@ -86,27 +91,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
         usage = _usage(prompt_tokens, sum(r.completion_tokens for r in results))
         return web.json_response({**base, "choices": choices, "usage": usage})
 
-    events = EventStream()
-    await events.start(request)
-    offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
-    completion_tokens = 0
-    try:
-        async for i, out in merge(streams):
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = _completion_logprobs(tokenizer, out.logprobs or [], offsets[i])
-            text, echoes[i] = echoes[i] + out.text, ""
-            offsets[i] += len(out.text)
-            completion_tokens += len(out.token_ids)
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-            await events.send({**base, "choices": [choice], **({"usage": None} if body.include_usage else {})})
-    except ApiError as e:
-        await events.error(e)
-    else:
+    async def events() -> AsyncGenerator[dict[str, Any], None]:
+        offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+        completion_tokens = 0
+        extra = {"usage": None} if body.include_usage else {}
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(tokenizer, out.logprobs or [], offsets[i])
+                text, echoes[i] = echoes[i] + out.text, ""
+                offsets[i] += len(out.text)
+                completion_tokens += len(out.token_ids)
+                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                yield {**base, "choices": [choice], **extra}
         if body.include_usage:
-            await events.send({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-    await events.done()
-    return events.response
+            yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+
+    return await sse_response(request, events())
 
 
 def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -167,26 +169,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return web.json_response({**base, "choices": choices, "usage": usage})
 
     base["object"] = "chat.completion.chunk"
-    extra = {"usage": None} if body.include_usage else {}
-    events = EventStream()
-    await events.start(request)
-    completion_tokens = 0
-    try:
+
+    async def events() -> AsyncGenerator[dict[str, Any], None]:
+        extra = {"usage": None} if body.include_usage else {}
+        completion_tokens = 0
         for i in range(body.n):  # OpenAI opens each choice with the role
-            delta = {"role": "assistant", "content": ""}
-            await events.send({**base, "choices": [_chunk_choice(i, delta, None, None)], **extra})
-        async for i, out in merge(streams):
-            completion_tokens += len(out.token_ids)
-            logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
-            delta = {"content": out.text} if out.text or not out.finished else {}
-            await events.send({**base, "choices": [_chunk_choice(i, delta, logprobs, out)], **extra})
-    except ApiError as e:
-        await events.error(e)
-    else:
+            yield {**base, "choices": [_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)], **extra}
+        async with aclosing(merge(streams)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.token_ids)
+                logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
+                delta = {"content": out.text} if out.text or not out.finished else {}
+                yield {**base, "choices": [_chunk_choice(i, delta, logprobs, out)], **extra}
         if body.include_usage:
-            await events.send({**base, "choices": [], "usage": _usage(len(ids), completion_tokens)})
-    await events.done()
-    return events.response
+            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens)}
+
+    return await sse_response(request, events())
 
 
 def _chunk_choice(

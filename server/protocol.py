@@ -16,12 +16,15 @@ from scheduler.sampling_params import SamplingParams
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)
+RETRY_AFTER_S = 1  # what 503 answers suggest
 
 
 class ApiError(Exception):
     """An error answered to the client: status, message, and the request field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -213,14 +216,20 @@ _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w.\[\]]*)`")
 
 
 def decode(body: bytes | str, type_: type[T]) -> T:
-    """Decode a JSON body into `type_`; errors name the field (400)."""
+    """Decode a JSON body into `type_`; errors name the field (400). A top-level field that is
+    null counts as absent (its default), as in OpenAI's API, where clients often send nulls."""
     try:
-        return msgspec.json.decode(body, type=type_, strict=True)
+        value = msgspec.json.decode(body)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None}
+        return msgspec.convert(value, type=type_, strict=True)
     except msgspec.ValidationError as e:
         m = _FIELD.search(str(e))
         raise ApiError(400, f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the JSON is nested too deeply") from None
 
 
 def invalid(message: str) -> ApiError:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,9 @@ from aiohttp import web
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stage_pool import StageError
-from server.protocol import ApiError
+from server.protocol import RETRY_AFTER_S, ApiError
+
+log = logging.getLogger("ppserve.server")
 
 Stream = AsyncGenerator[RequestOutput, None]
 
@@ -42,12 +45,13 @@ class Collected:
 async def collect(streams: Sequence[Stream]) -> list[Collected]:
     """Run streams to the end, concurrently; an engine failure is a 503."""
     results = [Collected() for _ in streams]
-    async for i, out in merge(streams):
-        results[i].add(out)
+    async with aclosing(merge(streams)) as outputs:
+        async for i, out in outputs:
+            results[i].add(out)
     return results
 
 
-async def merge(streams: Sequence[Stream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave several streams' outputs as they come, tagged with the stream's index.
     Leaving early (or failing) closes every stream, which aborts their requests."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -80,34 +84,38 @@ async def merge(streams: Sequence[Stream]) -> AsyncIterator[tuple[int, RequestOu
 
 def _as_api_error(e: BaseException) -> BaseException:
     """What a stream can raise once it runs, as the answer to the client."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, (EngineDeadError, StageError)):
-        return ApiError(503, f"the engine failed: {e}")
+        return ApiError(503, f"the engine failed: {e}", headers=retry)
     if isinstance(e, EngineOverloadedError):  # the queue filled up between the check and the start
-        return ApiError(503, f"the server is busy: {e}")
+        return ApiError(503, f"the server is busy: {e}", headers=retry)
     if isinstance(e, ValueError):
         return ApiError(400, str(e))
     return e
 
 
-class EventStream:
-    """Server-sent events: `data: <json>` per event, `data: [DONE]` at the end."""
-
-    def __init__(self) -> None:
-        self.response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-
-    async def start(self, request: web.Request) -> web.StreamResponse:
-        await self.response.prepare(request)
-        return self.response
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.response.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
-
-    async def error(self, e: ApiError) -> None:
-        """Once events have started, an error can only be another event."""
-        await self.send(e.body())
-
-    async def done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
+    """Send `events` as server-sent events (`data: <json>`), then `data: [DONE]`. Once the 200 has
+    gone out an error can only be one more event; closing `events` (always, even when the client
+    is gone) aborts whatever requests it was streaming."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    await response.prepare(request)
+    error: ApiError | None = None
+    try:
+        async with aclosing(events):
+            async for event in events:
+                await response.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+    except ApiError as e:
+        error = e
+    except ConnectionError:
+        raise  # the client is gone: nobody to tell
+    except Exception:
+        log.exception("error while streaming %s", request.path)
+        error = ApiError(500, "internal server error")
+    if error is not None:
+        await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

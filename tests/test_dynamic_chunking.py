@@ -66,7 +66,9 @@ async def _long_prompt(
 async def test_synthetic_pp4_dynamic_chunks_shrink_and_beat_every_fixed_size(long_context_dir: Path) -> None:
     ttft, chunks, model = await _long_prompt(long_context_dir, C, dynamic=True)
     assert sum(chunks) == PROMPT
-    assert chunks[0] == C and all(x >= y for x, y in itertools.pairwise(chunks[:-1])), chunks
+    # Non-increasing, up to one alignment unit (64): the model is refitted from live timings
+    # part-way through the prompt, and a refit may move the next chunk by one unit.
+    assert chunks[0] == C and all(x >= y - 64 for x, y in itertools.pairwise(chunks[:-1])), chunks
     assert chunks[-2] < C / 2, chunks  # they really shrink (the floor is C/4)
     # The fitted model is the bottleneck stage's: a quarter of the model's attention and linear
     # work plus the per-forward constant. Measured times carry a few ms of scheduling jitter, so
@@ -90,7 +92,7 @@ async def test_real_model_pp2_same_tokens_with_dynamic_chunking(llama_dir: Path)
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (700, 333, 90)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outputs = []
+    outputs, chunk_sizes = [], []
     for dynamic in (False, True):
         config = EngineConfig.create(
             llama_dir, pp_size=2, num_kv_blocks=256, chunked_prefill_size=256, dynamic_chunking=dynamic
@@ -100,8 +102,11 @@ async def test_real_model_pp2_same_tokens_with_dynamic_chunking(llama_dir: Path)
             for p in prompts:
                 results.append([t async for out in engine.generate(p, params) for t in out.token_ids])
             outputs.append(results)
+            chunk_sizes.append(set(engine.prefill_chunks))
             if dynamic:
-                assert engine.stats().latency_model is not None  # the stages profiled at start-up
+                model = engine.stats().latency_model  # the stages profiled at start-up
+                assert model is not None and model[0] > 0
+    assert chunk_sizes[0] != chunk_sizes[1], chunk_sizes  # dynamic chunking really changed the chunks
     assert outputs[0] == outputs[1]
 
 

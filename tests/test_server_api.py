@@ -160,6 +160,15 @@ async def test_websocket(live_server: LiveServer) -> None:
         assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 12}
 
 
+def _freed(server: LiveServer) -> bool:
+    m = server.metrics()
+    return m["ppserve_kv_blocks_used"] == 0 and m["ppserve_requests_running"] == 0
+
+
+async def _wait_freed(server: LiveServer) -> None:
+    await asyncio.to_thread(server.wait_until, lambda: _freed(server), 30.0, "the request's KV blocks to be freed")
+
+
 async def test_disconnect_mid_stream_frees_kv_blocks(live_server: LiveServer) -> None:
     body = {"prompt": "A long answer", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(headers=live_server.headers) as session:
@@ -170,13 +179,36 @@ async def test_disconnect_mid_stream_frees_kv_blocks(live_server: LiveServer) ->
             await resp.content.readline()
         assert live_server.metrics()["ppserve_kv_blocks_used"] > 0
         resp.close()  # drop the connection mid-stream
-    metrics: dict[str, float] = {}
+    await _wait_freed(live_server)
 
-    def freed() -> bool:
-        metrics.update(live_server.metrics())
-        return metrics["ppserve_kv_blocks_used"] == 0 and metrics["ppserve_requests_running"] == 0
 
-    await asyncio.to_thread(live_server.wait_until, freed, 30.0, "the request's KV blocks to be freed")
+async def test_disconnect_while_waiting_for_a_whole_answer_frees_kv_blocks(live_server: LiveServer) -> None:
+    body = {"prompt": "A long answer", "max_tokens": 1500, "ignore_eos": True}
+    async with aiohttp.ClientSession(headers=live_server.headers) as session:
+        post = asyncio.create_task(session.post(live_server.url + COMP, json=body))
+        await asyncio.to_thread(
+            live_server.wait_until, lambda: live_server.metrics()["ppserve_kv_blocks_used"] > 0, 30.0, "the request"
+        )
+        post.cancel()  # the client gives up before the answer: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await post
+    await _wait_freed(live_server)
+
+
+async def test_websocket_closed_with_requests_in_flight_frees_kv_blocks(live_server: LiveServer) -> None:
+    long = {"max_tokens": 1500, "ignore_eos": True}
+    async with aiohttp.ClientSession(headers=live_server.headers) as session:
+        ws = await session.ws_connect(live_server.url + "/ws")
+        for rid in ("x", "y"):
+            await ws.send_json({"type": "generate", "id": rid, "text": "Keep going", "sampling_params": long})
+        await _events(ws, lambda ev: {e["id"] for e in ev if e["type"] == "token"} == {"x", "y"})
+        # Generate and cancel back to back: the cancel may arrive before the request ever ran.
+        await ws.send_str(json.dumps({"type": "generate", "id": "z", "text": "Never mind", "sampling_params": long}))
+        await ws.send_str(json.dumps({"type": "cancel", "id": "z"}))
+        events = await _events(ws, _done("z"))
+        assert [e["finish_reason"] for e in events if e["type"] == "done"] == ["abort"]
+        await ws.close()
+    await _wait_freed(live_server)
 
 
 def test_metrics(live_server: LiveServer) -> None:

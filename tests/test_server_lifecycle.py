@@ -8,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 from live_server import LiveServer
 
@@ -46,6 +47,10 @@ def test_full_queue_is_503_with_retry_after(llama_dir: Path) -> None:
         code, headers, raw = server.request("POST", COMP, {"prompt": "one too many", "max_tokens": 2})
         assert code == 503 and headers["Retry-After"] == "1"
         assert "busy" in json.loads(raw)["error"]["message"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as busy:
+            client.completions.create(model=server.model, prompt="one too many", max_tokens=2)
+        assert busy.value.status_code == 503
         assert server.request("GET", "/health")[0] == 200  # busy is not unhealthy
     finally:
         assert server.stop() == 0, "".join(server.output)
