@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import EngineStats
@@ -24,7 +26,7 @@ async def test_histograms_and_counters_follow_prometheus_semantics() -> None:
     metrics.itl.observe(0.005)  # exactly on a bucket edge: counts as <= 0.005
     metrics.itl.observe(0.3, 2)
 
-    async def outputs():  # type: ignore[no-untyped-def]
+    async def outputs() -> AsyncGenerator[RequestOutput, None]:
         yield RequestOutput("r", "a", [1], False, None, 4, 1)
         yield RequestOutput("r", "bc", [2, 3], True, "length", 4, 3)
 
