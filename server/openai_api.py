@@ -42,6 +42,11 @@ def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int,
     ]
 
 
+def _header(state: ServerState, rid: str, kind: str) -> dict[str, Any]:
+    """The fields every response and every stream chunk starts with."""
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": state.options.served_model_name}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -71,12 +76,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echoes += [text if body.echo else ""] * body.n
         prompt_tokens += len(ids)
 
-    base = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.options.served_model_name,
-    }
+    base = _header(state, rid, "text_completion")
     if not body.stream:
         results = await collect(streams)
         choices = [
@@ -148,12 +148,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = _choices(state, ids, params, body.n, rid, 0)
-    base = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": state.options.served_model_name,
-    }
+    base = _header(state, rid, "chat.completion")
     if not body.stream:
         results = await collect(streams)
         choices = [
