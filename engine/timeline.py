@@ -26,7 +26,7 @@ class Interval:
 
 
 class Timeline:
-    def __init__(self, pp_size: int, max_intervals: int = 8192) -> None:
+    def __init__(self, pp_size: int, max_intervals: int = 32768) -> None:
         self.pp_size = pp_size
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._plans: dict[int, tuple[str, int, int]] = {}  # in flight: mb_id -> (kind, tokens, prefix)
@@ -48,7 +48,9 @@ class Timeline:
     def busy_fractions(self, since: float, now: float) -> tuple[float, ...]:
         """Per stage: compute time inside [since, now] over the length of that window."""
         busy = [0.0] * self.pp_size
-        for i in self.intervals:
+        for i in reversed(self.intervals):  # newest first: stop well before the window
+            if i.end < since - 60.0:  # intervals arrive in micro-batch order, stages skewed by far less
+                break
             busy[i.stage] += max(0.0, min(i.end, now) - max(i.start, since))
         return tuple(min(1.0, b / max(now - since, 1e-9)) for b in busy)
 
