@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -84,8 +85,16 @@ async def test_synthetic_pp4_dynamic_chunks_shrink_and_beat_every_fixed_size(lon
         size: (await _long_prompt(long_context_dir, size, dynamic=False))[0] for size in (C // 4, C // 2, C, 2 * C)
     }
     best = min(fixed, key=lambda s: fixed[s])
-    # Same run, same machine: a ratio, not an absolute time. The model predicts ~5% here.
-    assert ttft < fixed[best], f"dynamic {ttft:.3f} s vs fixed {fixed}"
+    # Dynamic against the best fixed size, two more times each, alternating: medians of three
+    # from the same run on the same machine (a comparison, not an absolute time). The pipeline
+    # model predicts dynamic ~5% ahead here.
+    dynamic, fixed_best = [ttft], [fixed[best]]
+    for _ in range(2):
+        fixed_best.append((await _long_prompt(long_context_dir, best, dynamic=False))[0])
+        dynamic.append((await _long_prompt(long_context_dir, C, dynamic=True))[0])
+    assert statistics.median(dynamic) < statistics.median(fixed_best), (
+        f"dynamic {dynamic} vs fixed {fixed}, {fixed_best}"
+    )
 
 
 async def test_real_model_pp2_same_tokens_with_dynamic_chunking(llama_dir: Path) -> None:
