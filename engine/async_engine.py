@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -91,7 +90,6 @@ class AsyncEngine:
         self._driver_task: asyncio.Task[None] | None = None
         self.error: Exception | None = None
         self.timeline = Timeline(config.pp_size)  # recent per-stage compute intervals
-        self.prefill_chunks: Counter[int] = Counter()
         self._closed = False
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -213,7 +211,7 @@ class AsyncEngine:
             kv_blocks_used=s.allocator.num_blocks - free,
             kv_blocks_total=s.allocator.num_blocks,
             stage_busy=self.timeline.busy_fractions(time.time() - window_s, time.time()),
-            prefill_chunks=dict(self.prefill_chunks),
+            prefill_chunks=dict(self.timeline.prefill_chunks),
             latency_model=(m.a, m.b, m.c) if (m := s.latency.model) is not None else None,
         )
 
@@ -222,7 +220,6 @@ class AsyncEngine:
     async def _send_plan(self, plan: StepPlan) -> None:
         assert self._pool is not None
         self.timeline.on_plan(plan)
-        self.prefill_chunks.update(c.num_new for c in plan.chunks if not c.sample or c.num_new > 1)
         await self._pool.send_plan(plan)
 
     def _on_result(self, result: StepResult) -> None:

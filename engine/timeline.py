@@ -6,7 +6,7 @@ from says what the micro-batch was (prefill, decode or mixed; how many tokens; a
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +30,18 @@ class Timeline:
         self.pp_size = pp_size
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._plans: dict[int, tuple[str, int, int]] = {}  # in flight: mb_id -> (kind, tokens, prefix)
+        self.prefill_chunks: Counter[int] = Counter()  # prefill chunk size -> how many, since start
 
     def on_plan(self, plan: StepPlan) -> None:
-        prefills = [c for c in plan.chunks if c.num_new > 1 or not c.sample]
-        kind = "decode" if not prefills else "prefill" if len(prefills) == len(plan.chunks) else "mixed"
-        prefix = max((c.start for c in prefills), default=0)
-        self._plans[plan.mb_id] = (kind, sum(c.num_new for c in plan.chunks), prefix)
+        tokens, prefix, prefills = 0, 0, 0
+        for c in plan.chunks:  # one pass: plans of hundreds of decode steps come every few ms
+            tokens += c.num_new
+            if c.is_prefill:
+                prefills += 1
+                prefix = max(prefix, c.start)
+                self.prefill_chunks[c.num_new] += 1
+        kind = "decode" if not prefills else "prefill" if prefills == len(plan.chunks) else "mixed"
+        self._plans[plan.mb_id] = (kind, tokens, prefix)
 
     def on_result(self, result: StepResult) -> None:
         kind, tokens, prefix = self._plans.pop(result.mb_id, ("unknown", 0, 0))

@@ -180,7 +180,7 @@ class Scheduler:
                 new.append(NewRequest(r.request_id, r.params.wire()))
         mb_id = self._next_mb
         self._next_mb += 1
-        single = len(chunks) == 1 and chunks[0].num_new > 1
+        single = len(chunks) == 1 and chunks[0].is_prefill
         self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
         plan = StepPlan(mb_id, chunks, new, self._released)
         self._released = []

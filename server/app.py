@@ -27,6 +27,7 @@ from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 from server.metrics import ServerMetrics
 from server.protocol import RETRY_AFTER_S, ApiError
+from server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
@@ -99,10 +100,8 @@ class ServerState:
         except ValueError as e:  # the prompt cannot be served (length, token ids)
             message = str(e) if "prompt" in str(e) else f"invalid prompt: {e}"
             raise ApiError(400, message, "prompt") from None
-        except EngineOverloadedError as e:
-            raise ApiError(503, f"the server is busy: {e}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except EngineDeadError as e:
-            raise ApiError(503, f"the engine cannot serve: {e}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except (EngineOverloadedError, EngineDeadError) as e:
+            raise as_api_error(e) from None
         return self.metrics.track(engine.generate(prompt_ids, params, request_id))
 
 

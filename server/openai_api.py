@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -22,6 +22,8 @@ from scheduler.sampling_params import SamplingParams
 from server.app import STATE, ServerState
 from server.protocol import ApiError, ChatRequest, CompletionRequest, decode
 from server.streams import Stream, collect, merge, sse_response
+
+Body = TypeVar("Body", CompletionRequest, ChatRequest)
 
 
 def add_routes(app: web.Application) -> None:
@@ -58,11 +60,17 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 # ---- /v1/completions ----------------------------------------------------------------------
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Body]:
+    """The request body, decoded and checked, with the server state."""
     state = request.app[STATE]
-    body = decode(await request.read(), CompletionRequest)
+    body = decode(await request.read(), kind)
     body.check()
     state.check_model(body.model)
+    return state, body
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, body = await _read(request, CompletionRequest)
     tokenizer = state.ready.tokenizer
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams: list[Stream] = []
@@ -132,10 +140,7 @@ def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], off
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body = decode(await request.read(), ChatRequest)
-    body.check()
-    state.check_model(body.model)
+    state, body = await _read(request, ChatRequest)
     tokenizer = state.ready.tokenizer
     try:
         ids = tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)

@@ -61,7 +61,7 @@ async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestO
                 async for out in stream:
                     yield 0, out
         except Exception as e:
-            raise _as_api_error(e) from None
+            raise as_api_error(e) from None
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -82,7 +82,7 @@ async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestO
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
-                raise _as_api_error(item)
+                raise as_api_error(item)
             else:
                 yield i, item
     finally:
@@ -91,12 +91,12 @@ async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestO
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _as_api_error(e: BaseException) -> BaseException:
-    """What a stream can raise once it runs, as the answer to the client."""
+def as_api_error(e: BaseException) -> BaseException:
+    """What the engine raises for a request (before or while it runs), as the answer to the client."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, (EngineDeadError, StageError)):
-        return ApiError(503, f"the engine failed: {e}", headers=retry)
-    if isinstance(e, EngineOverloadedError):  # the queue filled up between the check and the start
+        return ApiError(503, f"the engine cannot serve: {e}", headers=retry)
+    if isinstance(e, EngineOverloadedError):
         return ApiError(503, f"the server is busy: {e}", headers=retry)
     if isinstance(e, ValueError):
         return ApiError(400, str(e))

@@ -111,7 +111,7 @@ async def test_real_model_pp2_same_tokens_with_dynamic_chunking(llama_dir: Path)
             for p in prompts:
                 results.append([t async for out in engine.generate(p, params) for t in out.token_ids])
             outputs.append(results)
-            chunk_sizes.append(set(engine.prefill_chunks))
+            chunk_sizes.append(set(engine.timeline.prefill_chunks))
             if dynamic:
                 model = engine.stats().latency_model  # the stages profiled at start-up
                 assert model is not None and model[0] > 0

@@ -53,7 +53,7 @@ def _prefill_chunks(s: Scheduler, prompt: int, model: LatencyModel = TRUE) -> li
         while (plan := s.schedule()) is not None:
             plans.append(plan)
         for plan in plans:
-            sizes += [c.num_new for c in plan.chunks if c.num_new > 1]
+            sizes += [c.num_new for c in plan.chunks if c.is_prefill]
             s.update(_result(plan, s.config.pp_size, model))
     return sizes
 
@@ -117,6 +117,7 @@ def test_timeline_busy_bubbles_and_trace_round_trip() -> None:
     timeline.on_result(StepResult(0, [], [Timing(0, 10.0, 11.0), Timing(1, 11.0, 13.0)]))
     (i0, i1) = timeline.intervals
     assert (i0.kind, i0.tokens, i0.prefix) == ("mixed", 101, 50)
+    assert timeline.prefill_chunks == {100: 1}  # the decode step is not a prefill chunk
     assert timeline.busy_fractions(since=9.0, now=13.0) == (0.25, 0.5)
     assert bubble_fractions(list(timeline.intervals), 2) == [pytest.approx(2 / 3), pytest.approx(1 / 3)]
     assert intervals_from_trace(timeline.chrome_trace()) == [i0, i1]

@@ -29,6 +29,11 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     def num_new(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_prefill(self) -> bool:
+        """Prompt work rather than one decode step (a 1-token final prefill chunk counts as decode)."""
+        return self.num_new > 1 or not self.sample
+
 
 class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
     """SamplingParams as the last stage needs them (sent once per request)."""
