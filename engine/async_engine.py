@@ -6,7 +6,12 @@ driver and the stage processes.
             print(out.text, end="")
 
 Leaving the iterator early (break, or cancelling the task that reads it) aborts the request
-and frees its KV blocks. A stage that dies fails every request with an error naming it.
+and frees its KV blocks.
+
+A stage that dies or hangs is replaced: the host holds every request's tokens, so the running
+requests are preempted (their KV is recomputed) and carry on; clients see a pause, and greedy
+or seeded output is unchanged. Past `max_stage_restarts` per window, or when a host task fails,
+the engine is dead: every request fails with EngineDeadError naming the cause.
 """
 
 from __future__ import annotations
@@ -14,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
-import os
-import signal
-import threading
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +27,7 @@ from types import TracebackType
 
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.restart_budget import RestartBudget
 from engine.stage_pool import StageError, StagePool
 from engine.timeline import Timeline
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -32,6 +36,8 @@ from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from transport.messages import Sampled, StepPlan, StepResult
+
+log = logging.getLogger("ppserve.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -53,6 +59,9 @@ class EngineStats:
     stage_busy: tuple[float, ...]  # per stage: fraction of the recent window spent computing
     prefill_chunks: dict[int, int]  # prefill chunk size -> how many were scheduled (since start)
     latency_model: tuple[float, float, float] | None  # (a, b, c) of the bottleneck stage, if fitted
+    preemptions: int  # requests preempted (KV given up, recomputed later) since start
+    stage_restarts: tuple[int, ...]  # per stage: times its process was replaced
+    recovering: bool  # a failed stage is being replaced; requests wait
 
 
 @dataclass
@@ -90,12 +99,16 @@ class AsyncEngine:
         self._driver_task: asyncio.Task[None] | None = None
         self.error: Exception | None = None
         self.timeline = Timeline(config.pp_size)  # recent per-stage compute intervals
+        self.stage_restarts = [0] * config.pp_size
+        self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
+        self._recovery: asyncio.Task[None] | None = None
+        self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
 
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
-        pool = StagePool(self.config, self._on_result, self._on_failure)
+        pool = StagePool(self.config, self._on_result, self._on_stage_failure)
         self._pool = pool
         atexit.register(pool.kill_now)
         try:
@@ -103,27 +116,44 @@ class AsyncEngine:
         except BaseException:
             await self.close()
             raise
+        for task, name in zip(pool.tasks, ("result reader", "stage monitor"), strict=True):
+            self._supervise(task, name)
         for stage, samples in enumerate(pool.profiles):
             if samples:
                 self.scheduler.set_profile(stage, samples)
         driver = PipelineDriver(self.scheduler, self._send_plan, self._on_outputs)
         self._driver = driver
-        self._driver_task = asyncio.create_task(driver.run())
-        _sigterm_as_sigint()
+        self._driver_task = self._supervise(asyncio.create_task(driver.run()), "pipeline driver")
         return self
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._driver_task is not None:
-            self._driver_task.cancel()
+        for task in (self._driver_task, self._recovery):
+            if task is not None:
+                task.cancel()
         if self.error is None:
             self.error = EngineDeadError("the engine is shut down")
         self._fail_streams(self.error)
         if self._pool is not None:
             await self._pool.close()
             atexit.unregister(self._pool.kill_now)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait (up to timeout_s) until every request has finished; True if they all did. New
+        requests are still accepted meanwhile: a server refuses them itself while it drains."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_work and self.error is None:
+            self._progress.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._progress.wait(), remaining)
+            except TimeoutError:
+                return False
+        return not self.scheduler.has_work
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -135,7 +165,12 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
+        """Started and not dead (it may be recovering: requests then wait)."""
         return self._driver_task is not None and self.error is None
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovery is not None and self.error is None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -145,8 +180,8 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if a
-        stage has died (also mid-stream)."""
+        """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
+        engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_admission()
@@ -198,6 +233,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None and self._driver is not None:
             self._driver.wake()
+            self._progress.set()
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(self._output(stream, "", [], []))
@@ -213,16 +249,21 @@ class AsyncEngine:
             stage_busy=self.timeline.busy_fractions(time.time() - window_s, time.time()),
             prefill_chunks=dict(self.timeline.prefill_chunks),
             latency_model=(m.a, m.b, m.c) if (m := s.latency.model) is not None else None,
+            preemptions=s.num_preemptions,
+            stage_restarts=tuple(self.stage_restarts),
+            recovering=self.recovering,
         )
 
     # ---- results --------------------------------------------------------------------------
 
-    async def _send_plan(self, plan: StepPlan) -> None:
+    def _send_plan(self, plan: StepPlan) -> None:
         assert self._pool is not None
         self.timeline.on_plan(plan)
-        await self._pool.send_plan(plan)
+        self._pool.send_plan(plan)
 
     def _on_result(self, result: StepResult) -> None:
+        if result.mb_id not in self.scheduler.inflight:
+            return  # a plan voided by a pipeline reset (or by the engine's death)
         self.timeline.on_result(result)
         if self._driver is not None:
             self._driver.on_result(result)
@@ -232,6 +273,7 @@ class AsyncEngine:
             stream = self._streams.get(request.request_id)
             if stream is not None:
                 self._emit(stream, sample)
+        self._progress.set()
 
     def _emit(self, stream: _Stream, sample: Sampled) -> None:
         r, params = stream.request, stream.request.params
@@ -276,17 +318,74 @@ class AsyncEngine:
             logprobs=logprobs,
         )
 
-    def _on_failure(self, error: StageError) -> None:
-        self.error = error
+    # ---- failures -------------------------------------------------------------------------
+
+    def _supervise(self, task: asyncio.Task[None], name: str, forever: bool = True) -> asyncio.Task[None]:
+        """A host task that must not fail silently: if it raises (or, when `forever`, ends at
+        all), the error is logged with its traceback and the engine is dead."""
+
+        def done(t: asyncio.Task[None]) -> None:
+            if t.cancelled() or self._closed:
+                return
+            error = t.exception()
+            if error is None and not forever:
+                return
+            error = error or RuntimeError("it stopped")
+            log.error("the %s failed; the engine cannot serve", name, exc_info=error)
+            self._die(EngineDeadError(f"internal error in the {name}: {type(error).__name__}: {error}"))
+
+        task.add_done_callback(done)
+        return task
+
+    def _on_stage_failure(self, error: StageError) -> None:
+        log.error("%s", error)
+        if self._closed or self.error is not None or self._recovery is not None:
+            return  # a recovery in progress watches the stages itself
+        if self._driver is None:
+            self._die(EngineDeadError(str(error)))
+            return
+        self._recovery = self._supervise(asyncio.create_task(self._recover(error)), "stage recovery", forever=False)
+
+    async def _recover(self, error: StageError) -> None:
+        """Replace the failed stage while its requests wait, then carry on from their tokens."""
+        assert self._pool is not None and self._driver is not None
+        self._driver.pause()
+        while True:
+            cfg = self.config
+            if error.stage is None or not self._budget.take(time.monotonic()):
+                log.error(
+                    "no stage restart left (at most %d per %.0f s); the engine is dead",
+                    cfg.max_stage_restarts,
+                    cfg.stage_restart_window_s,
+                )
+                self._die(EngineDeadError(str(error)))
+                return
+            preempted = self.scheduler.reset_pipeline()
+            self.timeline.forget_in_flight()
+            log.warning("replacing stage %d; %d running request(s) will be recomputed", error.stage, preempted)
+            try:
+                replaced = await self._pool.replace(error.stage)
+            except StageError as e:
+                log.error("replacing stage %d failed: %s", error.stage, e)
+                error = e
+                continue
+            for i in replaced:
+                self.stage_restarts[i] += 1
+            break
+        log.info("pipeline repaired (stage(s) %s replaced); serving again", ", ".join(map(str, replaced)))
+        self._recovery = None
+        self._driver.resume()
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The engine cannot serve any more: fail everything now, and say so in `error`."""
+        if self.error is None:
+            self.error = error
+        if self._driver is not None:
+            self._driver.pause()
         self.scheduler.fail_all()
-        self._fail_streams(error)
+        self._fail_streams(self.error)
+        self._progress.set()
 
     def _fail_streams(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
-
-
-def _sigterm_as_sigint() -> None:
-    """Treat SIGTERM like Ctrl-C (so `async with` cleans up), unless the application set its own."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))

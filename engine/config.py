@@ -44,6 +44,9 @@ class EngineConfig:
     async_depth: int = 1  # plans in flight beyond one per stage
     threads_per_stage: int = 1
     stage_start_timeout_s: float = 120.0
+    stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
+    max_stage_restarts: int = 3  # stage replacements allowed per window; past that the engine is dead
+    stage_restart_window_s: float = 600.0
     # Control plane over tcp:// on these addresses (one per stage; the host listens on the first)
     # instead of ipc:// sockets in a private directory.
     stage_hosts: tuple[str, ...] = ()
@@ -72,6 +75,9 @@ class EngineConfig:
         async_depth: int = 1,
         threads_per_stage: int | None = None,
         stage_start_timeout_s: float = 120.0,
+        stage_timeout_s: float = 10.0,
+        max_stage_restarts: int = 3,
+        stage_restart_window_s: float = 600.0,
         stage_hosts: tuple[str, ...] = (),
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
@@ -129,6 +135,15 @@ class EngineConfig:
             threads_per_stage = max(1, (os.cpu_count() or 1) // pp_size)
         if threads_per_stage < 1:
             raise ConfigError(f"threads_per_stage must be >= 1, got {threads_per_stage}")
+        for name, seconds in (
+            ("stage_start_timeout_s", stage_start_timeout_s),
+            ("stage_timeout_s", stage_timeout_s),
+            ("stage_restart_window_s", stage_restart_window_s),
+        ):
+            if not math.isfinite(seconds) or seconds <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
+        if max_stage_restarts < 0:
+            raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
         if stage_hosts and len(stage_hosts) != pp_size:
             raise ConfigError(f"stage_hosts names {len(stage_hosts)} hosts for {pp_size} stages")
         try:
@@ -156,6 +171,9 @@ class EngineConfig:
             async_depth=async_depth,
             threads_per_stage=threads_per_stage,
             stage_start_timeout_s=stage_start_timeout_s,
+            stage_timeout_s=stage_timeout_s,
+            max_stage_restarts=max_stage_restarts,
+            stage_restart_window_s=stage_restart_window_s,
             stage_hosts=tuple(stage_hosts),
         )
 

@@ -4,8 +4,9 @@ Order, per row: presence/frequency penalties (over the request's generated token
 argmax or temperature -> top-k -> top-p (on the top-k-renormalised distribution) -> min-p -> draw.
 Logprobs are of the raw model distribution (before penalties and temperature).
 
-A seeded request owns a torch.Generator and draws its own noise row every step, so its output
-depends on its seed and its logits only, never on what else is in the batch.
+A seeded request draws its own noise row every step from a generator seeded with (seed, step),
+so its output depends on its seed, its step and its logits only: never on what else is in the
+batch, and never on the sampler's history (a replaced last stage carries on exactly).
 """
 
 from __future__ import annotations
@@ -48,17 +49,37 @@ class Sample:
 
 
 class _RequestState:
-    def __init__(self, params: SamplerParams, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, params: SamplerParams, vocab_size: int, device: torch.device, output_token_ids: Sequence[int] = ()
+    ) -> None:
         self.params = params
-        self.counts = (
-            torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            if params.presence_penalty or params.frequency_penalty
-            else None
-        )
+        self.step = len(output_token_ids)  # tokens sampled so far
+        self.counts = None
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            if output_token_ids:
+                ids = torch.tensor(list(output_token_ids), dtype=torch.long, device=device)
+                self.counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float32, device=device))
         self.generator: torch.Generator | None = None
         if params.seed is not None and params.temperature >= GREEDY_BELOW:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+
+    def noise_generator(self, shared: torch.Generator) -> torch.Generator:
+        """The generator for this step's noise: reseeded from (seed, step) for a seeded request."""
+        if self.generator is None:
+            return shared
+        assert self.params.seed is not None
+        self.generator.manual_seed(_step_seed(self.params.seed, self.step))
+        return self.generator
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for (seed, step) (splitmix64's finaliser), so that neighbouring
+    seeds and steps give unrelated noise."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
 
 
 class Sampler:
@@ -69,8 +90,13 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
 
-    def add_request(self, request_id: str, params: SamplerParams) -> None:
-        self._requests[request_id] = _RequestState(params, self.vocab_size, self.device)
+    def add_request(self, request_id: str, params: SamplerParams, output_token_ids: Sequence[int] = ()) -> None:
+        """`output_token_ids`: tokens the request generated before (when it is re-announced)."""
+        self._requests[request_id] = _RequestState(params, self.vocab_size, self.device, output_token_ids)
+
+    def clear(self) -> None:
+        """Forget every request (the pipeline was reset; they are announced again)."""
+        self._requests.clear()
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -94,13 +120,14 @@ class Sampler:
                 continue
             probs = filtered_probs(logits[i], state.params)
             # Exponential race: argmax(p / E), E ~ Exp(1), draws from p exactly (Gumbel-max trick).
-            noise = torch.empty_like(probs).exponential_(generator=state.generator or self._shared_generator)
+            noise = torch.empty_like(probs).exponential_(generator=state.noise_generator(self._shared_generator))
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0/0 on a filtered-out token
             token_ids[i] = (probs / noise).argmax()
 
         chosen = token_ids.tolist()
         out: list[Sample] = []
         for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
+            state.step += 1
             if state.counts is not None:
                 state.counts[token] += 1
             if raw_logprobs is None or state.params.logprobs is None:

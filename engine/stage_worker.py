@@ -7,7 +7,12 @@ Three tasks connected by small queues keep communication off the critical path:
 Plans execute strictly in the order received; that order is what makes chunked prefill safe
 (chunk k+1 reads the KV that chunk k wrote on this stage). The last stage samples and sends a
 StepResult to the host with every stage's compute interval. A heartbeat tells the host this
-stage is alive; the stage exits by itself when the host process goes away.
+stage is alive (from the moment the process starts, model loading included); the stage exits
+by itself when the host process goes away.
+
+A separate reader takes messages off the plan socket, so that a `Reset` (another stage was
+replaced) is seen even while the pipeline waits for activations that will never come: the
+three tasks are then restarted empty, and the host is told with `ResetDone`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import signal
 import sys
 import time
 import traceback
@@ -34,6 +40,8 @@ from transport.messages import (
     PROTOCOL_VERSION,
     EdgeHeader,
     Heartbeat,
+    Reset,
+    ResetDone,
     Sampled,
     Shutdown,
     StageFailed,
@@ -70,6 +78,9 @@ class StageLaunch:
 def stage_main(launch: StageLaunch) -> None:
     """Process entry point (spawn)."""
     _set_process_name(f"ppserve-stage-{launch.stage}")
+    # Ctrl-C reaches the whole process group; the host decides when stages stop (and a stage
+    # exits by itself if the host is gone), so a stage prints no KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     torch.set_num_threads(launch.threads)
     try:
@@ -98,34 +109,83 @@ class StageWorker:
         self.outbound: TensorChannel | None = None
 
     async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._stopped: asyncio.Future[None] = loop.create_future()  # a result: drained; an error: failed
+        heartbeat = self._watch(asyncio.create_task(self._heartbeat()))
+        self._pipeline: list[asyncio.Task[None]] = []
+        reader: asyncio.Task[None] | None = None
         try:
-            await self._start()
-        except Exception as e:
-            await self._fail(f"failed to start: {type(e).__name__}: {e}")
-            return 1
-        received: asyncio.Queue[Received | None] = asyncio.Queue(QUEUE_DEPTH)
-        outputs: asyncio.Queue[Output | None] = asyncio.Queue(QUEUE_DEPTH)
-        stages = [
-            asyncio.create_task(self._receive(received)),
-            asyncio.create_task(self._compute(received, outputs)),
-            asyncio.create_task(self._send(outputs)),
-        ]
-        pending: set[asyncio.Task[None]] = {*stages, asyncio.create_task(self._heartbeat())}
-        try:
-            # Until the pipeline drains after Shutdown (the heartbeat never ends) or a task fails.
-            while not all(t.done() for t in stages):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if (error := t.exception()) is not None:
-                        raise error
-            return 0
-        except Exception as e:
-            await self._fail(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
-            return 1
+            try:
+                await self._start()
+            except Exception as e:
+                await self._fail(f"failed to start: {type(e).__name__}: {e}")
+                return 1
+            self._plans: asyncio.Queue[StepPlan | None] = asyncio.Queue()
+            self._pipeline = self._launch_pipeline()
+            reader = self._watch(asyncio.create_task(self._read_plans()))
+            try:
+                await self._stopped  # until the pipeline drains after Shutdown, or a task fails
+                return 0
+            except Exception as e:
+                await self._fail(f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e, limit=5))}")
+                return 1
         finally:
-            for t in pending:
+            for t in [heartbeat, *self._pipeline, *([reader] if reader else [])]:
                 t.cancel()
             self._close()
+
+    def _watch(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """The first task to fail stops the stage (with that error)."""
+
+        def done(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and (error := t.exception()) is not None and not self._stopped.done():
+                self._stopped.set_exception(error)
+
+        task.add_done_callback(done)
+        return task
+
+    def _launch_pipeline(self) -> list[asyncio.Task[None]]:
+        received: asyncio.Queue[Received | None] = asyncio.Queue(QUEUE_DEPTH)
+        outputs: asyncio.Queue[Output | None] = asyncio.Queue(QUEUE_DEPTH)
+        send = self._watch(asyncio.create_task(self._send(outputs)))
+        send.add_done_callback(self._drained)
+        return [
+            self._watch(asyncio.create_task(self._receive(received))),
+            self._watch(asyncio.create_task(self._compute(received, outputs))),
+            send,
+        ]
+
+    def _drained(self, send: asyncio.Task[None]) -> None:
+        """The send task ends normally only after Shutdown has drained the pipeline."""
+        if not send.cancelled() and send.exception() is None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    async def _read_plans(self) -> None:
+        while True:
+            msg = await self.plans.recv()
+            if isinstance(msg, Reset):
+                await self._reset(msg.epoch)
+            elif isinstance(msg, Shutdown):
+                await self._plans.put(None)
+                return
+            else:
+                assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
+                await self._plans.put(msg)
+
+    async def _reset(self, epoch: int) -> None:
+        """Void every plan received so far: stop the pipeline, let a computation in progress end
+        (its output is dropped), forget queued plans and sampling state, start again empty."""
+        for t in self._pipeline:
+            t.cancel()
+        await asyncio.gather(*self._pipeline, return_exceptions=True)
+        # The compute pool has one thread: once this no-op has run, no old plan is computing.
+        await asyncio.get_running_loop().run_in_executor(self.compute_pool, lambda: None)
+        while not self._plans.empty():
+            self._plans.get_nowait()
+        if self.last:
+            self.sampler.clear()
+        self._pipeline = self._launch_pipeline()
+        await self.inbox.send(ResetDone(self.stage, epoch))
 
     async def _start(self) -> None:
         launch = self.launch
@@ -162,16 +222,16 @@ class StageWorker:
         hidden_size = self.config.model_config.hidden_size
         device = torch.device(self.config.device)
         while True:
-            msg = await self.plans.recv()
-            if isinstance(msg, Shutdown):
+            msg = await self._plans.get()
+            if msg is None:
                 await received.put(None)
                 return
-            assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
             header, hidden = None, None
             if self.inbound is not None:
                 rows = sum(c.num_new for c in msg.chunks)
                 hidden = torch.empty((rows, hidden_size), dtype=self.config.torch_dtype, device=device)
-                header = await self.inbound.recv(hidden)
+                # Older micro-batches are leftovers of plans voided by a reset: skipped.
+                header = await self.inbound.recv(hidden, skip_before=msg.mb_id)
                 if header.mb_id != msg.mb_id:
                     raise RuntimeError(
                         f"stage {self.stage}: activations of micro-batch {header.mb_id} for plan {msg.mb_id}"
@@ -200,7 +260,7 @@ class StageWorker:
         for rid in plan.released:
             self.sampler.remove_request(rid)
         for new in plan.new_requests:
-            self.sampler.add_request(new.request_id, new.params)
+            self.sampler.add_request(new.request_id, new.params, new.output_token_ids)
         ids = [c.request_id for c in plan.chunks if c.sample]
         return [
             Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
@@ -228,7 +288,7 @@ class StageWorker:
 
     async def _fail(self, error: str) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.inbox.send(StageFailed(self.stage, error)), 1.0)
+            await asyncio.wait_for(self.inbox.send(StageFailed(self.stage, error, os.getpid())), 1.0)
         print(f"ppserve-stage-{self.stage}: {error}", file=sys.stderr)
 
     def _close(self) -> None:

@@ -43,6 +43,10 @@ class Timeline:
         kind = "decode" if not prefills else "prefill" if prefills == len(plan.chunks) else "mixed"
         self._plans[plan.mb_id] = (kind, tokens, prefix)
 
+    def forget_in_flight(self) -> None:
+        """The plans in flight were voided (the pipeline was reset): their results never come."""
+        self._plans.clear()
+
     def on_result(self, result: StepResult) -> None:
         kind, tokens, prefix = self._plans.pop(result.mb_id, ("unknown", 0, 0))
         for t in result.timings:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from transport.messages import WireSamplingParams
 
 MAX_TOP_LOGPROBS = 20
+# Integer fields cross process boundaries as msgpack integers and reach torch as int64 or int32:
+# ranges that fit, so that a huge value is a clear error here rather than a failure mid-pipeline.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing by them overflows)
 
 
@@ -28,12 +32,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Each error names its field so the HTTP layer can return it as a 400 unchanged.
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _int_in(self.max_tokens, 1, MAX_INT32):
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _int_in(self.top_k, 0, MAX_INT32):
+            raise ValueError(f"top_k must be an integer in [0, {MAX_INT32}] (0 disables it), got {self.top_k!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
@@ -42,14 +46,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
-        ):
+        if self.seed is not None and not _int_in(self.seed, 0, MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not all(_int_in(t, 0, MAX_INT32) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
@@ -69,6 +71,10 @@ class SamplingParams:
             seed=self.seed,
             logprobs=self.logprobs,
         )
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _finite(value: object) -> bool:

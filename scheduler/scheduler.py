@@ -177,7 +177,7 @@ class Scheduler:
             r.awaiting_sample = sample
             if not r.announced:
                 r.announced = True
-                new.append(NewRequest(r.request_id, r.params.wire()))
+                new.append(NewRequest(r.request_id, r.params.wire(), list(r.output_token_ids)))
         mb_id = self._next_mb
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
@@ -189,8 +189,12 @@ class Scheduler:
     # ---- results in -----------------------------------------------------------------------
 
     def update(self, result: StepResult) -> list[tuple[Request, Sampled]]:
-        """Apply a finished micro-batch; returns each live request's new token (finished ones included)."""
-        record = self.inflight.pop(result.mb_id)
+        """Apply a finished micro-batch; returns each live request's new token (finished ones included).
+        A result for a micro-batch that is not in flight (voided by `reset_pipeline` or `fail_all`)
+        is dropped."""
+        record = self.inflight.pop(result.mb_id, None)
+        if record is None:
+            return []
         if record.prefill is not None and self.config.dynamic_chunking:
             for t in result.timings:
                 if self.latency.observe(t.stage, *record.prefill, t.end - t.start):
@@ -228,6 +232,25 @@ class Scheduler:
     def set_profile(self, stage: int, samples: list[tuple[int, int, float]]) -> None:
         """A stage's start-up latency profile: (prefix, tokens, seconds) per timed prefill."""
         self.chunker.set_model(self.latency.set_profile(stage, samples))
+
+    def reset_pipeline(self) -> int:
+        """The stages lost their state (one was replaced): every plan in flight is void. Each running
+        request is preempted (its KV is recomputed from its tokens, the generated ones included) and
+        every live request is announced again; nothing a client has seen is lost. Returns how many
+        requests were preempted."""
+        self.inflight.clear()
+        self._released = []  # the stages forget every request anyway
+        for r in list(self.requests.values()):
+            r.inflight_plans = 0
+            r.awaiting_sample = False
+            r.announced = False
+            if r.finished:  # ended while a plan still wrote its blocks: nothing writes them now
+                self._free(r)
+        self._released = []
+        preempted = list(self.running)
+        for r in reversed(preempted):  # keep their order at the head of the queue
+            self._preempt(r)
+        return len(preempted)
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
         """Everything waiting or running ends (a stage died); returns those requests."""

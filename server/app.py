@@ -38,6 +38,7 @@ class ServerOptions:
     served_model_name: str = "ppserve"
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
+    shutdown_timeout_s: float = 10.0  # on shutdown, requests in flight may finish for this long
 
 
 @dataclass
@@ -138,10 +139,13 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    """Runs before aiohttp waits for open handlers: stop the engine so streams end now."""
+    """Runs before aiohttp waits for open handlers: refuse new requests, let those in flight
+    finish within the drain window, then stop the engine (streams still open end with an error)."""
     state = app[STATE]
     state.shutting_down = True
     if state.engine is not None:
+        if not await state.engine.drain(state.options.shutdown_timeout_s):
+            log.info("shutdown: requests still running after %.0f s are ended", state.options.shutdown_timeout_s)
         await state.engine.close()
     for ws in list(state.websockets):
         await ws.close(code=1001, message=b"server shutting down")
@@ -181,6 +185,10 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
+    if engine is not None and engine.recovering and not state.shutting_down:
+        # A failed stage is being replaced: requests wait rather than fail, but a load balancer
+        # should send new ones elsewhere for now.
+        return web.json_response({"status": "recovering"}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     if engine is not None and engine.healthy and not state.shutting_down:
         return web.json_response({"status": "ok"})
     reason = "shutting down" if state.shutting_down else str(engine.error if engine else "starting")

@@ -69,6 +69,20 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR)",
     )
     p.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a live stage silent this long is declared hung, killed and replaced (default 10; a dead "
+        "process is noticed at once)",
+    )
+    p.add_argument(
+        "--max-stage-restarts",
+        type=int,
+        default=3,
+        help="failed stages replaced per 10 minutes before the engine gives up (default 3; 0: never replace)",
+    )
+    p.add_argument(
         "--synthetic-latency",
         type=_parse_latency,
         default=None,
@@ -128,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
     )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -167,6 +188,8 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         dynamic_chunking=args.enable_dynamic_chunking,
         chunk_smooth=args.dynamic_chunking_smooth_factor,
         synthetic_latency=args.synthetic_latency,
+        stage_timeout_s=args.stage_timeout,
+        max_stage_restarts=args.max_stage_restarts,
     )
 
 
@@ -199,6 +222,7 @@ def _generate(args: argparse.Namespace) -> None:
         prompts = [args.input_ids if args.input_ids is not None else args.prompt]
     if any(p == "" for p in prompts):
         raise ValueError("the prompt is empty")
+    _sigterm_as_sigint()
     _run(_generate_all(config, prompts, params, args.chat, args.json))
 
 
@@ -250,7 +274,10 @@ def _serve(args: argparse.Namespace) -> None:
         print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
         model = str(demo_checkpoint())
     config = _engine_config(args, model, args.max_waiting_requests)
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     options = ServerOptions(
+        shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or (args.model or "ppserve-demo"),
         api_key=args.api_key or os.environ.get("PPSERVE_API_KEY") or None,
     )
@@ -268,7 +295,10 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(create_app(config, options), handler_cancellation=True, shutdown_timeout=5.0)
+    # Handlers get the drain window (inside on_shutdown) plus a moment to write their last events.
+    runner = web.AppRunner(
+        create_app(config, options), handler_cancellation=True, shutdown_timeout=options.shutdown_timeout_s + 5.0
+    )
     try:
         # The stages load here; a Ctrl-C meanwhile stops the start-up (and kills the stages).
         setup = asyncio.ensure_future(runner.setup())
@@ -296,6 +326,11 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
         print("ppserve: shutting down", flush=True)
     finally:
         await runner.cleanup()
+
+
+def _sigterm_as_sigint() -> None:
+    """Treat SIGTERM like Ctrl-C, so that `ppserve generate` cleans up its stages either way."""
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
 
 def _run(coro: Coroutine[object, object, None]) -> None:

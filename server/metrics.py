@@ -115,6 +115,16 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
     yield GaugeMetricFamily("ppserve_requests_waiting", "Requests waiting to start", value=s.waiting)
     yield GaugeMetricFamily("ppserve_kv_blocks_used", "KV-cache blocks in use", value=s.kv_blocks_used)
     yield GaugeMetricFamily("ppserve_kv_blocks_total", "KV-cache blocks per stage", value=s.kv_blocks_total)
+    yield CounterMetricFamily(
+        "ppserve_preemptions", "Requests preempted (KV given up and recomputed later)", value=s.preemptions
+    )
+    restarts = CounterMetricFamily(
+        "ppserve_stage_restarts", "Times each stage's process was replaced after a failure", labels=["stage"]
+    )
+    for stage, n in enumerate(s.stage_restarts):
+        restarts.add_metric([str(stage)], n)
+    yield restarts
+    yield GaugeMetricFamily("ppserve_recovering", "1 while a failed stage is being replaced", value=int(s.recovering))
     busy = GaugeMetricFamily(
         "ppserve_stage_busy_fraction", "Fraction of the last 10 s each stage spent computing", labels=["stage"]
     )

@@ -21,9 +21,14 @@ API_KEY = "test-key"
 
 class LiveServer:
     def __init__(
-        self, model_dir: Path | None, *flags: str, api_key: str | None = API_KEY, timeout_s: float = 120.0
+        self,
+        model_dir: Path | None,
+        *flags: str,
+        api_key: str | None = API_KEY,
+        timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """model_dir None: the built-in demo model."""
+        """model_dir None: the built-in demo model. env: extra environment variables."""
         args = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *flags]
         if model_dir is not None:
             args += ["--model", str(model_dir)]
@@ -36,7 +41,7 @@ class LiveServer:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.output: list[str] = []
         self.url = self._wait_for_url(timeout_s)

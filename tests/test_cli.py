@@ -99,7 +99,10 @@ def test_stop_string(llama_dir: Path) -> None:
         (["--prompt", "x", "--pp-size", "5"], "pp_size 5 is larger than the model's 4 layers"),
         (["--prompt", "x", "--pp-size", "2", "--layer-partition", "1,2"], "sums to 3"),
         (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
-        (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be an integer in [1, "),
+        (["--prompt", "x", "--stage-timeout", "0"], "stage_timeout_s must be a positive number"),
+        (["--prompt", "x", "--stage-timeout", "nan"], "stage_timeout_s must be a positive number"),
+        (["--prompt", "x", "--max-stage-restarts", "-1"], "max_stage_restarts must be >= 0"),
         (["--prompt", "x", "--dtype", "int4"], "dtype must be auto"),
         (["--input-ids", "1,x"], "expected comma-separated token ids"),
         (["--input-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
@@ -145,6 +148,8 @@ def test_serve_bad_flags(llama_dir: Path) -> None:
     assert res.returncode == 2 and "pp_size" in res.stderr.replace("-", "_") and "Traceback" not in res.stderr
     res = run_cli("serve", "--model", str(llama_dir), "--log-level", "loud")
     assert res.returncode == 2 and "--log-level" in res.stderr
+    res = run_cli("serve", "--model", str(llama_dir), "--shutdown-timeout", "-1")
+    assert res.returncode == 2 and "--shutdown-timeout must be >= 0" in res.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HOST = """
-import asyncio, json, sys
+import asyncio, json, os, signal, sys
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 
@@ -23,7 +23,12 @@ async def main():
     config = EngineConfig.create(sys.argv[1], pp_size=2, num_kv_blocks=64, threads_per_stage=1)
     async with AsyncEngine(config) as engine:
         pool = engine._pool
-        print(json.dumps({"pids": [p.pid for p in pool.procs], "ipc": pool.addresses.ipc_dir}), flush=True)
+        # The engine leaves process-wide signal handling to the application that embeds it.
+        untouched = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        # This application wants SIGTERM to clean up like Ctrl-C.
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        info = {"pids": [p.pid for p in pool.procs], "ipc": pool.addresses.ipc_dir, "sigterm_untouched": untouched}
+        print(json.dumps(info), flush=True)
         await asyncio.sleep(3600)
 
 if __name__ == "__main__":
@@ -58,6 +63,7 @@ def _start_host(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen[str],
         stderr=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,  # its own process group, like a program started from a terminal
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -71,10 +77,15 @@ def test_signal_shuts_down_cleanly(tmp_path: Path, llama_dir: Path, sig: signal.
     proc, info = _start_host(tmp_path, llama_dir)
     pids = info["pids"]
     assert isinstance(pids, list) and all(_alive(p) for p in pids)
+    assert info["sigterm_untouched"] is True
     with open(f"/proc/{pids[0]}/comm") as f:
         assert f.read().strip() == "ppserve-stage-0"
-    proc.send_signal(sig)
+    # To the whole process group, as Ctrl-C in a terminal does: the stages get it too, and leave
+    # it to the host to stop them (no KeyboardInterrupt tracebacks from them).
+    os.killpg(proc.pid, sig)
     assert proc.wait(timeout=20) == 130
+    assert proc.stderr is not None
+    assert "Traceback" not in proc.stderr.read()
     _wait_gone(pids)
     assert not Path(str(info["ipc"])).exists(), "socket files left behind"
 

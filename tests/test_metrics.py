@@ -21,7 +21,7 @@ def _samples(metrics: ServerMetrics) -> dict[str, float]:
 
 
 async def test_histograms_and_counters_follow_prometheus_semantics() -> None:
-    stats = EngineStats(2, 1, 10, 100, (0.5, 0.25), {256: 3, 100: 1}, (1e-9, 2e-5, 0.001))
+    stats = EngineStats(2, 1, 10, 100, (0.5, 0.25), {256: 3, 100: 1}, (1e-9, 2e-5, 0.001), 7, (0, 2), True)
     metrics = ServerMetrics(lambda: stats)
     metrics.itl.observe(0.005)  # exactly on a bucket edge: counts as <= 0.005
     metrics.itl.observe(0.3, 2)
@@ -46,3 +46,5 @@ async def test_histograms_and_counters_follow_prometheus_semantics() -> None:
     assert m['ppserve_prefill_chunk_tokens_bucket{le="128"}'] == 1 and m["ppserve_prefill_chunk_tokens_count"] == 4
     assert m["ppserve_prefill_chunk_tokens_sum"] == 868
     assert m['ppserve_prefill_latency_coefficient{term="b"}'] == 2e-5
+    assert m["ppserve_preemptions_total"] == 7 and m["ppserve_recovering"] == 1
+    assert m['ppserve_stage_restarts_total{stage="0"}'] == 0 and m['ppserve_stage_restarts_total{stage="1"}'] == 2

@@ -123,6 +123,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert _draw(other_seed, ["b"], logits, 30)["b"] != tokens_alone
 
 
+def test_a_resumed_request_samples_on_exactly() -> None:
+    """A request announced again with the tokens it already generated (the last stage was
+    replaced) continues its seeded noise and its penalties as if nothing had happened."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, top_k=30, seed=77, presence_penalty=0.8, frequency_penalty=0.6)
+    whole = Sampler(VOCAB, torch.device("cpu"))
+    whole.add_request("r", params)
+    tokens = _draw(whole, ["r"], logits, 40)["r"]
+    resumed = Sampler(VOCAB, torch.device("cpu"))
+    resumed.add_request("r", params, output_token_ids=tokens[:17])
+    assert _draw(resumed, ["r"], logits, 23)["r"] == tokens[17:]
+    resumed.clear()
+    with pytest.raises(KeyError):
+        resumed.sample(["r"], logits)
+
+
 def test_sampling_follows_the_distribution() -> None:
     """The exponential-race draw samples from the filtered distribution (chi-square-free check:
     empirical frequencies within a few standard errors)."""
@@ -155,6 +171,11 @@ def test_sampling_follows_the_distribution() -> None:
         ("seed", -1, "seed must be"),
         ("logprobs", 21, "logprobs must be"),
         ("stop_token_ids", (1, -2), "stop_token_ids must be"),
+        # Values that pass a sign check but fit no wire integer (msgpack, int64, int32).
+        ("top_k", 2**64, "top_k must be"),
+        ("max_tokens", 2**31, "max_tokens must be"),
+        ("seed", 2**63, "seed must be"),
+        ("stop_token_ids", (2**40,), "stop_token_ids must be"),
     ],
 )
 def test_invalid_sampling_params(field: str, value: object, message: str) -> None:

@@ -206,3 +206,41 @@ def test_token_slice_spans_prompt_and_output() -> None:
     for start in range(6):
         for end in range(start, 7):
             assert r.token_slice(start, end) == whole[start:end]
+
+
+def test_pipeline_reset_recomputes_running_requests_and_announces_them_again() -> None:
+    """After a stage is replaced: nothing in flight counts, running requests restart from their
+    tokens (generated ones included), every request is announced again with its outputs, late
+    results of voided plans are dropped, and every block comes back in the end."""
+    s = make(pp=2, chunk=4)
+    a, b, c = req("a", 6, SamplingParams(max_tokens=6, ignore_eos=True)), req("b", 3), req("c", 5)
+    for r in (a, b):
+        s.add(r)
+    for _ in range(6):  # a and b get some tokens
+        plan = s.schedule()
+        if plan is None:
+            break
+        complete(s, plan)
+    s.add(c)
+    voided = s.schedule()
+    assert voided is not None and a.output_token_ids
+    outputs_before = list(a.output_token_ids)
+    order = [r.request_id for r in s.running]
+
+    preempted = s.reset_pipeline()
+    assert preempted == len(order) and not s.inflight and not s.running
+    assert [r.request_id for r in list(s.waiting)[: len(order)]] == order  # same order, at the head
+    assert all(r.num_computed_tokens == 0 and not r.block_table for r in (a, b))
+    assert s.update(StepResult(voided.mb_id, [Sampled(ch.request_id, 9) for ch in voided.chunks], [])) == []
+    assert a.output_token_ids == outputs_before  # the late result changed nothing
+
+    plan = s.schedule()
+    assert plan is not None
+    announced = {n.request_id: n.output_token_ids for n in plan.new_requests}
+    assert announced["a"] == outputs_before
+    first = next(ch for ch in plan.chunks if ch.request_id == "a")
+    assert first.start == 0  # recomputed from the start: prompt + generated tokens
+    complete(s, plan)
+    drain(s)
+    assert all(r.finished for r in (a, b, c)) and len(a.output_token_ids) == 6
+    assert s.allocator.num_free == s.allocator.num_blocks

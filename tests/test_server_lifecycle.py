@@ -59,7 +59,8 @@ def test_full_queue_is_503_with_retry_after(llama_dir: Path) -> None:
 
 
 def test_dead_stage_turns_health_red_and_fails_fast(llama_dir: Path) -> None:
-    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL)
+    """With stage restarts turned off, a dead stage is final (tests/test_chaos.py covers healing)."""
+    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL, "--max-stage-restarts", "0")
     stages = server.stage_pids()
     assert len(stages) == 2
     try:
@@ -79,7 +80,8 @@ def test_dead_stage_turns_health_red_and_fails_fast(llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_shutdown_with_requests_in_flight(llama_dir: Path, sig: signal.Signals) -> None:
-    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL)
+    """With no drain window, streams still running end at once with an error event."""
+    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL, "--shutdown-timeout", "0")
     stages = server.stage_pids()
     thread, out = _stream_in_background(server, {"prompt": "interrupted", "max_tokens": 1500, "ignore_eos": True})
     server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the request to run")
@@ -89,6 +91,24 @@ def test_shutdown_with_requests_in_flight(llama_dir: Path, sig: signal.Signals) 
     assert not thread.is_alive()
     assert b"shut down" in out[0] and out[0].endswith(b"data: [DONE]\n\n")  # ended with an error event
     assert "ppserve: shutting down" in "".join(server.output)
+    server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
+
+
+def test_shutdown_lets_requests_in_flight_finish(llama_dir: Path) -> None:
+    """Within the drain window, a stream running at SIGTERM completes normally; then the server
+    exits cleanly."""
+    server = LiveServer(llama_dir, "--pp-size", "2", *SMALL, "--shutdown-timeout", "60")
+    stages = server.stage_pids()
+    thread, out = _stream_in_background(server, {"prompt": "finish me", "max_tokens": 400, "ignore_eos": True})
+    server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the request to run")
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, "".join(server.output)
+    thread.join(30)
+    assert not thread.is_alive()
+    events = [json.loads(line[6:]) for line in out[0].split(b"\n\n") if line.startswith(b"data: {")]
+    assert not any("error" in e for e in events), events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 0 and out[0].endswith(b"data: [DONE]\n\n")
     server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
 
 

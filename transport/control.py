@@ -6,6 +6,8 @@ LINGER is 0 so that closing never blocks on a peer that has gone away.
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import Sequence
 
 import zmq
@@ -25,15 +27,45 @@ class PushSocket:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on queue depth: plans are few
         self.sock.bind(address) if bind else self.sock.connect(address)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
+        self._pending: deque[bytes] = deque()  # send_nowait messages waiting for a peer, in order
+        self._flusher: asyncio.Task[None] | None = None
 
     async def send(self, msg: Msg) -> None:
         await self.sock.send(encode(msg), copy=False)
+
+    def send_nowait(self, msg: Msg | bytes) -> None:
+        """Send without yielding to the event loop, so that the caller stays atomic. SNDHWM is 0,
+        so this only fails when no peer is attached (not yet connected, or gone): the message
+        then waits in order, and a task hands it over once a peer is there."""
+        data = msg if isinstance(msg, bytes) else encode(msg)
+        if not self._pending:
+            try:
+                self._sync.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+        self._pending.append(data)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending:
+            await self.sock.send(self._pending[0], copy=False)
+            self._pending.popleft()
+
+    def discard_pending(self) -> None:
+        """Drop messages still waiting for a peer (they were for a process that is gone)."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self._pending.clear()
 
     async def send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
         await self.sock.send_multipart(frames, copy=False)
 
     def close(self, linger_ms: int = 0) -> None:
         """linger_ms: how long queued messages may still go out (0: dropped at once)."""
+        self.discard_pending()
         self.sock.close(linger=linger_ms)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -51,6 +51,10 @@ class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
     params: WireSamplingParams
+    # Tokens generated before this announcement: non-empty when a request is announced again to a
+    # pipeline that lost its state (a stage was replaced). Penalties count them, and a seeded
+    # request's noise continues at step len(output_token_ids), so sampling carries on exactly.
+    output_token_ids: list[int] = []
 
 
 class StepPlan(Msg, frozen=True):
@@ -96,10 +100,23 @@ class StageFailed(Msg, frozen=True):
 
     stage: int
     error: str
+    pid: int  # which incarnation of the stage (a replaced one may still have messages in flight)
 
 
 class Heartbeat(Msg, frozen=True):
     stage: int
+
+
+class Reset(Msg, frozen=True):
+    """Host -> surviving stages when another stage is replaced: every plan received so far is
+    void. The stage drops queued plans and per-request sampling state, then answers ResetDone."""
+
+    epoch: int
+
+
+class ResetDone(Msg, frozen=True):
+    stage: int
+    epoch: int
 
 
 class Shutdown(Msg, frozen=True):
@@ -116,7 +133,7 @@ class EdgeHeader(msgspec.Struct, frozen=True, array_like=True):
     slot: int = -1
 
 
-ControlMsg = StepPlan | StepResult | StageReady | StageFailed | Heartbeat | Shutdown
+ControlMsg = StepPlan | StepResult | StageReady | StageFailed | Heartbeat | Reset | ResetDone | Shutdown
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMsg)
 _header_decoder = msgspec.msgpack.Decoder(EdgeHeader)

@@ -59,11 +59,17 @@ class TensorChannel(ABC):
         assert self.push is not None, "send on the receiving end"
         await self.push.send_frames([encode(header)])
 
-    async def recv(self, out: torch.Tensor) -> EdgeHeader:
-        """Receive the next tensor into `out` (its shape, dtype and device say what to expect)."""
+    async def recv(self, out: torch.Tensor, skip_before: int = 0) -> EdgeHeader:
+        """Receive the next tensor into `out` (its shape, dtype and device say what to expect).
+        Micro-batches numbered below `skip_before` are dropped unread: they were sent before the
+        pipeline was reset (micro-batch ids only grow). Channels whose tensors travel apart from
+        the header (gloo, nccl) never see such leftovers: every stage is replaced together."""
         assert self.pull is not None, "recv on the sending end"
-        frames = await self.pull.recv_frames()
-        header = decode_header(frames[0].buffer)
+        while True:
+            frames = await self.pull.recv_frames()
+            header = decode_header(frames[0].buffer)
+            if header.mb_id >= skip_before:
+                break
         await self._recv_into(header, frames, out)
         return header
 
