@@ -14,6 +14,15 @@ from transport.messages import SeqChunk
 GREEDY_TOKENS = 32
 
 
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (dead for our purposes; its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
     return [rng.randrange(6, vocab) for _ in range(length)]  # skip the special tokens
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from helpers import random_prompt
+from helpers import alive, random_prompt
 from live_server import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -52,14 +52,6 @@ async def _run(server: LiveServer, prompts: list[list[int]], progress: list[int]
 
 def _shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def _until(predicate: Any, what: str, timeout_s: float = 120.0) -> None:
@@ -116,12 +108,12 @@ def test_chaos_kills_and_pauses_lose_nothing(llama_dir: Path, tmp_path: Path) ->
         assert m["ppserve_kv_blocks_used"] == 0  # no KV block leaked
         current = server.stage_pids()
         assert len(current) == 3 and not set(current) & set(killed)
-        assert not any(_alive(p) for p in killed)  # replaced processes are gone, not orphaned
+        assert not any(alive(p) for p in killed)  # replaced processes are gone, not orphaned
     finally:
         for pid in server.stage_pids():
             os.kill(pid, signal.SIGCONT)  # never leave a stopped process behind
         assert server.stop() == 0, "".join(server.output)
-    assert not any(_alive(p) for p in current)
+    assert not any(alive(p) for p in current)
     assert not list(scratch.iterdir()), "socket files left behind"
     assert _shm_segments() <= shm_before, "shared memory left behind"
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import alive
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +40,10 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"stage processes still alive: {[p for p in pids if _alive(p)]}"
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"stage processes still alive: {[p for p in pids if alive(p)]}"
         time.sleep(0.05)
 
 
@@ -76,7 +69,7 @@ def _start_host(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen[str],
 def test_signal_shuts_down_cleanly(tmp_path: Path, llama_dir: Path, sig: signal.Signals) -> None:
     proc, info = _start_host(tmp_path, llama_dir)
     pids = info["pids"]
-    assert isinstance(pids, list) and all(_alive(p) for p in pids)
+    assert isinstance(pids, list) and all(alive(p) for p in pids)
     assert info["sigterm_untouched"] is True
     with open(f"/proc/{pids[0]}/comm") as f:
         assert f.read().strip() == "ppserve-stage-0"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import pipeline, random_prompt
+from helpers import alive, pipeline, random_prompt
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
@@ -149,7 +149,7 @@ async def test_killed_stage_fails_requests_fast_without_restarts(llama_dir: Path
     finally:
         await asyncio.wait_for(engine.close(), timeout=10)  # close() must not hang on a dead stage
     for pid in pids:
-        await wait_until(lambda pid=pid: not _alive(pid))
+        await wait_until(lambda pid=pid: not alive(pid))
 
 
 async def test_stalled_stage_is_noticed(llama_dir: Path) -> None:
@@ -169,7 +169,7 @@ async def test_stalled_stage_is_noticed(llama_dir: Path) -> None:
             await asyncio.wait_for(task, timeout=10)
     finally:
         await engine.close()
-    await wait_until(lambda: not _alive(pid))
+    await wait_until(lambda: not alive(pid))
 
 
 async def test_stage_start_failure_reports_the_stage_error(llama_dir: Path, tmp_path: Path) -> None:
@@ -184,13 +184,3 @@ async def test_stage_start_failure_reports_the_stage_error(llama_dir: Path, tmp_
     with pytest.raises(StageError, match=r"stage 1 failed to start: .*missing tensor\(s\): model.layers.3"):
         async with AsyncEngine(engine_config(ckpt, 2)):
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent will reap it).
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"

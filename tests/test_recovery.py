@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from helpers import alive
 from test_pipeline import PROMPTS, collect, engine_config, wait_until
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -29,14 +30,6 @@ CASES = [(p, LONG_GREEDY) for p in PROMPTS[4:10]] + [(p, LONG_SEEDED) for p in P
 
 async def _run_all(engine: AsyncEngine) -> list[list[int]]:
     return await asyncio.gather(*[collect(engine, p, params) for p, params in CASES])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +61,7 @@ async def test_killed_stage_is_replaced_and_requests_carry_on(
         stats = engine.stats()
         assert stats.preemptions >= 1 and stats.kv_blocks_used == 0
         new = engine._pool.procs[victim].pid
-        assert new != old and new is not None and _alive(new) and not _alive(old)
+        assert new != old and new is not None and alive(new) and not alive(old)
         # And the repaired pipeline serves new requests as before.
         assert await collect(engine, CASES[0][0], LONG_GREEDY) == fault_free[0]
 
@@ -84,7 +77,7 @@ async def test_hung_stage_is_killed_and_replaced(llama_dir: Path, fault_free: li
         results = await asyncio.wait_for(tasks, timeout=120)
         assert results == fault_free
         assert engine.stage_restarts == [0, 1, 0]
-        await wait_until(lambda: not _alive(hung))
+        await wait_until(lambda: not alive(hung))
 
 
 async def test_restart_budget_is_bounded(llama_dir: Path) -> None:
