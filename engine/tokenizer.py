@@ -4,6 +4,7 @@ and incremental detokenization for streaming."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,25 @@ class Tokenizer:
         text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
         # The template writes its own special tokens (BOS included), so don't add them twice.
         return self.encode(text, add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages` (what `apply_chat_template` tokenizes), so a
+        caller can look at its length before paying for tokenization."""
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use completions with a plain prompt")
+        return str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: the longest token string of the
+        vocabulary, added tokens included. A byte-level token's string has one character per byte
+        and a SentencePiece token's one per character, so neither covers more text than its own
+        length: a text of c characters needs at least c / max_token_chars tokens, which bounds
+        its token count without tokenizing it. (Normalizers that shrink text, such as NFKC
+        composition, would break this; the supported model families have none.)"""
+        vocab: dict[str, int] = self.hf.get_vocab()
+        added = [str(t) for t in self.hf.added_tokens_decoder.values()]
+        return max(1, *(len(t) for t in vocab), *(len(t) for t in added))
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids)

@@ -25,8 +25,11 @@ from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedEr
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
+from server import tokens
+from server.client_errors import CLIENT_GONE, quiet_client_errors
 from server.metrics import ServerMetrics
 from server.protocol import RETRY_AFTER_S, ApiError
+from server.security import bearer_token, browser_checks
 from server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
@@ -39,6 +42,10 @@ class ServerOptions:
     api_key: str | None = None
     max_body_bytes: int = 16 * 2**20
     shutdown_timeout_s: float = 10.0  # on shutdown, requests in flight may finish for this long
+    # The address the server listens on: bound to loopback, it answers only loopback Host names
+    # (DNS rebinding). None: not known here, Host is not checked.
+    host: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # websocket Origins besides the server's own; "*": all
 
 
 @dataclass
@@ -68,8 +75,24 @@ class ServerState:
         if model is not None and model != self.options.served_model_name:
             raise ApiError(400, f"model {model!r} is not served here; use {self.options.served_model_name!r}", "model")
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.ready.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    async def encode(self, prompt: str | Sequence[int], field_name: str = "prompt") -> list[int]:
+        """Token ids of a prompt; text that cannot fit the context is a 400 naming `field_name`,
+        before any tokenizing, and long text is tokenized off the event loop."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await tokens.encode(self.ready.tokenizer, prompt, self.config.max_model_len, field_name)
+
+    def check_count(self, count: int, field_name: str) -> None:
+        """A request of `count` streams (prompts x n) that the waiting queue could never hold is
+        a 400 now, not a 503 that invites the client to retry it forever."""
+        limit = self.config.max_waiting_requests
+        if count > limit:
+            raise ApiError(
+                400,
+                f"this request needs {count} completions (prompts x n), more than the server can ever queue "
+                f"({limit}, --max-waiting-requests)",
+                field_name,
+            )
 
     def max_tokens(self, prompt_ids: Sequence[int], requested: int | None, field_name: str = "max_tokens") -> int:
         """`requested`, or all the context that is left; a request that cannot fit is a 400."""
@@ -114,7 +137,9 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     from server import native_api, openai_api
 
     options = options or ServerOptions()
-    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[_errors, _auth])
+    quiet_client_errors()
+    checks = browser_checks(options.host, options.allowed_origins)
+    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[_errors, checks, _auth])
     app[STATE] = ServerState(config, options)
     app.cleanup_ctx.append(_engine_lifetime)
     app.on_shutdown.append(_on_shutdown)
@@ -163,8 +188,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # 405 says what is allowed
         return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
-    except (ConnectionResetError, ConnectionError):
-        raise  # the client went away mid-response; nothing to answer
+    except CLIENT_GONE:
+        # The client went away mid-request: nobody to answer, and not our error. (499: "client
+        # closed request", for the access log; aiohttp cannot send it.)
+        log.info("client went away during %s %s", request.method, request.path)
+        return web.Response(status=499)
     except Exception:
         log.exception("error handling %s %s", request.method, request.path)
         return web.json_response(ApiError(500, "internal server error").body(), status=500)
@@ -174,10 +202,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE].options.api_key
     if key and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {key}"
+        given = bearer_token(request.headers.get("Authorization", ""))
         # Constant-time compare, so response timing says nothing about the key.
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given, key.encode("utf-8", "surrogatepass")):
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
     return await handler(request)
 

@@ -102,6 +102,27 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _parse_origins(text: str) -> tuple[str, ...]:
+    from server.security import parse_origins
+
+    try:
+        return parse_origins(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--allowed-origins: ")) from None
+
+
+def _read_key_file(path: str) -> str:
+    """The API key: the first line of `path`, stripped. A missing or empty file is a usage error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not key:
+        raise ValueError(f"--api-key-file: the first line of {path} is empty")
+    return key
+
+
 def _parse_latency(text: str) -> tuple[float, float, float]:
     try:
         a, b, c = (float(v) for v in text.split(","))
@@ -137,7 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(serve, model_required=False)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY, or --api-key-file)",
+    )
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (unlike --api-key, not visible in the process list)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=_parse_origins,
+        default=(),
+        metavar="ORIGINS",
+        help="comma-separated origins (https://app.example.com) whose web pages may open /ws, besides the "
+        "server's own; * allows all (default: none)",
+    )
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument(
         "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
@@ -269,6 +309,8 @@ def _serve(args: argparse.Namespace) -> None:
     from server.demo import demo_checkpoint
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before loading anything: a bad key file fails in a moment, not after the stages start.
+    api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     model = args.model
     if model is None:
         print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
@@ -279,7 +321,9 @@ def _serve(args: argparse.Namespace) -> None:
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or (args.model or "ppserve-demo"),
-        api_key=args.api_key or os.environ.get("PPSERVE_API_KEY") or None,
+        api_key=api_key or os.environ.get("PPSERVE_API_KEY") or None,
+        host=args.host,
+        allowed_origins=args.allowed_origins,
     )
     _run(_serve_until_stopped(config, options, args.host, args.port))
 

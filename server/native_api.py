@@ -8,7 +8,8 @@ Websocket protocol (JSON text messages):
     <- {"type": "done", "id": "a", "finish_reason": "length", "usage": {...}}
     <- {"type": "error", "id": "a" | null, "message": "..."}            the socket stays open
 `text` of a token event is the text that token completes; it is "" while a multi-byte
-character or a possible stop string is still incomplete.
+character or a possible stop string is still incomplete. Ids are 1 to 256 characters (each
+event repeats its id).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from aiohttp import WSMsgType, web
 
 from engine.outputs import RequestOutput
 from server.app import STATE, ServerState
-from server.protocol import ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
+from server.protocol import MAX_ID_CHARS, ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
 from server.streams import Collected, Stream, collect, merge, sse_response
 
 log = logging.getLogger("ppserve.server")
@@ -37,8 +38,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ws", websocket)
 
 
-def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Stream:
-    ids = state.encode(body.prompt())
+async def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Stream:
+    ids = await state.encode(body.prompt(), "text")
     params = body.params()
     state.max_tokens(ids, params.max_tokens)  # the request must fit the context
     return state.submit(ids, params, request_id)
@@ -54,7 +55,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = decode(await request.read(), GenerateRequest)
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = _submit(state, body, rid)
+    stream = await _submit(state, body, rid)
     if not body.stream:
         (r,) = await collect([stream])
         result: dict[str, Any] = {
@@ -132,7 +133,7 @@ class _Socket:
             await self.error(f"id {msg.id!r} is already in use on this socket", msg.id)
             return
         try:
-            stream = _submit(self.state, msg, self.prefix + msg.id)
+            stream = await _submit(self.state, msg, self.prefix + msg.id)
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
@@ -203,10 +204,11 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
 
 
 def _peek_id(data: str) -> str | None:
-    """The id of a message we could not decode, if it has a readable one (to tag the error)."""
+    """The id of a message we could not decode, if it has a valid one (to tag the error; an
+    overlong id is not echoed back)."""
     try:
         value = json.loads(data)
     except (ValueError, RecursionError):
         return None
     rid = value.get("id") if isinstance(value, dict) else None
-    return rid if isinstance(rid, str) else None
+    return rid if isinstance(rid, str) and 1 <= len(rid) <= MAX_ID_CHARS else None

@@ -2,7 +2,8 @@
 
 Both accept OpenAI's sampling fields (plus top_k, min_p, ignore_eos, stop_token_ids), `n`
 choices, and `stream` as server-sent events in OpenAI's chunk format, ending with
-`data: [DONE]`. Choice i of a seeded request uses seed + i, so the choices differ.
+`data: [DONE]`. Choice i of a seeded request uses seed + i (modulo 2**63, the seed's range), so
+the choices differ.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from aiohttp import web
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
+from server import tokens
 from server.app import STATE, ServerState
-from server.protocol import ApiError, ChatRequest, CompletionRequest, decode
+from server.protocol import SEED_MAX, ChatRequest, CompletionRequest, decode
 from server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
@@ -32,11 +34,12 @@ def add_routes(app: web.Application) -> None:
 
 
 def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int, rid: str, first: int) -> list[Stream]:
-    """n streams of one prompt; a seeded request gets seed + i for choice i."""
+    """n streams of one prompt; a seeded request gets seed + i for choice i, wrapped into the
+    seed's range (so choice 0 keeps the seed as given, and the largest seed still works)."""
     return [
         state.submit(
             ids,
-            replace(params, seed=params.seed + i) if params.seed is not None else params,
+            replace(params, seed=(params.seed + i) % (SEED_MAX + 1)) if params.seed is not None else params,
             f"{rid}-{first + i}",
             pending=first + i,  # the choices before this one are checked but not queued yet
         )
@@ -76,12 +79,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     streams: list[Stream] = []
     echoes: list[str] = []  # per choice: the prompt text when echo is on
     prompt_tokens = 0
-    for prompt in body.prompts():
-        ids = state.encode(prompt)
+    prompts = body.prompts()
+    # Before tokenizing anything: a request the queue can never hold is refused outright.
+    state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
+    for prompt in prompts:
+        ids = await state.encode(prompt)
         params = body.sampling_params(state.max_tokens(ids, body.max_tokens), body.logprobs)
         streams += _choices(state, ids, params, body.n, rid, len(streams))
-        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-        echoes += [text if body.echo else ""] * body.n
+        text = ""  # echo only: decoding a long token-id prompt is not free
+        if body.echo:
+            text = prompt if isinstance(prompt, str) else await tokens.decode(tokenizer, ids)
+        echoes += [text] * body.n
         prompt_tokens += len(ids)
 
     base = _header(state, rid, "text_completion")
@@ -142,12 +150,10 @@ def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], off
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, body = await _read(request, ChatRequest)
     tokenizer = state.ready.tokenizer
-    try:
-        ids = tokenizer.apply_chat_template(body.chat_messages(), body.add_generation_prompt)
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
-    except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)
-        raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    state.check_count(body.n, "n")
+    ids = await tokens.encode_chat(
+        tokenizer, body.chat_messages(), body.add_generation_prompt, state.config.max_model_len
+    )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)

@@ -1,22 +1,34 @@
 """Request bodies of the HTTP and websocket APIs, decoded and checked in one place.
 
 Bodies are decoded with msgspec into typed Structs, so a wrong type is an error that names its
-field (`at $.max_tokens`); ranges are checked by `SamplingParams` itself. Every problem becomes
-an `ApiError`, which the app turns into OpenAI's JSON error shape.
+field (`at $.max_tokens`). Every integer field carries the range of the type it travels as
+(int32 token ids and counts, an int64 seed), checked while decoding: a number that fits JSON
+but not the engine's wire format is a 400 here, not a failure deep in the engine. The rest of
+the ranges are checked by `SamplingParams` itself. Every problem becomes an `ApiError`, which
+the app turns into OpenAI's JSON error shape.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)
 RETRY_AFTER_S = 1  # what 503 answers suggest
+INT32_MAX = 2**31 - 1  # token ids, top_k and token counts travel as int32
+SEED_MAX = 2**63 - 1  # seeds travel as int64
+MAX_ID_CHARS = 256  # websocket request ids are echoed in every event: keep them short
+
+NonNegInt32 = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]  # token ids, top_k
+Seed = Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)]
+TokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 class ApiError(Exception):
@@ -36,8 +48,10 @@ class ApiError(Exception):
         return {
             400: "invalid_request_error",
             401: "authentication_error",
+            403: "permission_error",
             404: "not_found_error",
             413: "invalid_request_error",
+            415: "invalid_request_error",
             503: "service_unavailable",
         }.get(self.status, "server_error")
 
@@ -54,11 +68,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: NonNegInt32 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[NonNegInt32] = []
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
@@ -107,8 +121,8 @@ class _OpenAIRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by `prompts()`
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: TokenCount | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -122,7 +136,7 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     def prompts(self) -> list[str | list[int]]:
         """The prompt field's four OpenAI forms, as a list of text or token-id prompts."""
         p = self.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+        if isinstance(p, str) or (isinstance(p, list) and p and _is_ids(p)):
             prompts: list[str | list[int]] = [p]
         elif isinstance(p, list) and p and all(isinstance(t, str) or _is_ids(t) for t in p):
             prompts = list(p)
@@ -132,6 +146,9 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
             )
         if any(len(x) == 0 for x in prompts):
             raise ApiError(400, "prompt must not be empty", "prompt")
+        for ids in prompts:
+            if isinstance(ids, list):
+                _check_ids(ids, "prompt")
         return prompts
 
 
@@ -153,10 +170,10 @@ class ChatMessage(msgspec.Struct):
 
 class ChatRequest(_OpenAIRequest, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
@@ -178,15 +195,15 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
 
 
 class NativeSampling(_Sampling, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: int = 16
-    logprobs: int | None = None
+    max_tokens: TokenCount = 16
+    logprobs: NumLogprobs | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """POST /generate and the websocket's `generate` message."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[int] | None = None  # range: `prompt()`, in the words the prompt field uses
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
 
@@ -196,6 +213,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         prompt: str | list[int] = self.text if self.text is not None else list(self.input_ids or [])
         if not prompt:
             raise ApiError(400, "the prompt must not be empty", "text" if self.text is not None else "input_ids")
+        if isinstance(prompt, list):
+            _check_ids(prompt, "input_ids")
         return prompt
 
     def params(self) -> SamplingParams:
@@ -204,15 +223,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class WsGenerate(GenerateRequest, tag="generate", kw_only=True, forbid_unknown_fields=True):
-    id: str
+    id: RequestId
 
 
 class WsCancel(msgspec.Struct, tag="cancel", kw_only=True, forbid_unknown_fields=True):
-    id: str
+    id: RequestId
 
 
 WsMessage = WsGenerate | WsCancel
-_FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w.\[\]]*)`")
+_FIELD = re.compile(r" - at `\$\.?([A-Za-z_][\w.\[\]]*)`$")
 
 
 def decode(body: bytes | str, type_: type[T]) -> T:
@@ -225,7 +244,10 @@ def decode(body: bytes | str, type_: type[T]) -> T:
         return msgspec.convert(value, type=type_, strict=True)
     except msgspec.ValidationError as e:
         m = _FIELD.search(str(e))
-        raise ApiError(400, f"invalid request: {e}", m.group(1) if m else None) from None
+        if m is None:
+            raise ApiError(400, f"invalid request: {e}") from None
+        # "Expected `int` <= 2147483647 - at `$.top_k`" -> "invalid top_k: Expected `int` <= 2147483647"
+        raise ApiError(400, f"invalid {m.group(1)}: {str(e)[: m.start()]}", m.group(1)) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     except RecursionError:
@@ -238,9 +260,13 @@ def invalid(message: str) -> ApiError:
     return ApiError(400, message, first if first.isidentifier() else None)
 
 
+def _check_ids(ids: list[int], field: str) -> None:
+    """Token ids fit int32 (the vocabulary check comes later, in the engine). min and max scan
+    at C speed: a 16 MiB body holds millions of ids."""
+    if min(ids) < 0 or max(ids) > INT32_MAX:
+        raise ApiError(400, f"prompt token ids must be in [0, {INT32_MAX}]", field)
+
+
 def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(t) for t in value)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A list of ints (not bools), tested at C speed: `map(type)` sees the exact type."""
+    return isinstance(value, list) and (not value or set(map(type, value)) == {int})

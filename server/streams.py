@@ -15,6 +15,7 @@ from aiohttp import web
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stage_pool import StageError
+from server.client_errors import CLIENT_GONE
 from server.protocol import RETRY_AFTER_S, ApiError
 
 log = logging.getLogger("ppserve.server")
@@ -118,13 +119,19 @@ async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, An
                 await response.write(b"data: " + _json.encode(event) + b"\n\n")
     except ApiError as e:
         error = e
-    except ConnectionError:
-        raise  # the client is gone: nobody to tell
+    except CLIENT_GONE:
+        # The client is gone (closing `events` above aborted its requests): nobody to tell, and
+        # not a server error. Return the response as it is; aiohttp expects nothing more.
+        log.info("client went away during the stream of %s", request.path)
+        return response
     except Exception:
         log.exception("error while streaming %s", request.path)
         error = ApiError(500, "internal server error")
-    if error is not None:
-        await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+    try:
+        if error is not None:
+            await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except CLIENT_GONE:
+        log.info("client went away at the end of the stream of %s", request.path)
     return response

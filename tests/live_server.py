@@ -76,8 +76,10 @@ class LiveServer:
     ) -> tuple[int, dict[str, str], bytes]:
         """A blocking HTTP request: (status, headers, body), whatever the status."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        # urllib labels a body application/x-www-form-urlencoded, which the server refuses.
+        content_type = {"Content-Type": "application/json"} if data is not None else {}
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={**self.headers, **(headers or {})}
+            self.url + path, data=data, method=method, headers={**self.headers, **content_type, **(headers or {})}
         )
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:

@@ -1,0 +1,70 @@
+"""Prompt text to token ids (and back) without stalling the event loop.
+
+Tokenizing is linear in the text, and a 16 MiB body holds a lot of text: done on the event loop,
+one such request freezes every stream of the server for seconds. So:
+
+- a text that cannot fit the context is refused from its length alone, before any tokenizing:
+  no token covers more than `Tokenizer.max_token_chars` characters, so a text longer than
+  `max_model_len * max_token_chars` characters needs more tokens than the context holds;
+- what is left is tokenized on the loop when it is small (a thread hop would cost more than
+  the work) and in a worker thread when it is large (the tokenizer releases the GIL there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.tokenizer import Tokenizer
+from server.protocol import ApiError
+
+T = TypeVar("T")
+INLINE_CHARS = 4096  # texts up to this long tokenize in well under a millisecond
+INLINE_TOKENS = 4096  # token lists up to this long decode as fast
+
+
+async def off_loop(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in a worker thread if the input is `large`, else right here."""
+    if not large:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def check_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, field: str) -> None:
+    """A 400 naming `field` if a text of `chars` characters cannot fit the context."""
+    limit = max_model_len * tokenizer.max_token_chars
+    if chars > limit:
+        raise ApiError(
+            400,
+            f"{field} is {chars} characters long, more than this model's context of {max_model_len} tokens can "
+            f"hold (at most {limit} characters: no token covers more than {tokenizer.max_token_chars})",
+            field,
+        )
+
+
+async def encode(tokenizer: Tokenizer, text: str, max_model_len: int, field: str) -> list[int]:
+    check_fits(tokenizer, len(text), max_model_len, field)
+    return await off_loop(len(text) > INLINE_CHARS, tokenizer.encode, text)
+
+
+async def encode_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, max_model_len: int
+) -> list[int]:
+    """The chat template's token ids for `messages`. The template may drop or rewrite parts of
+    the messages, so the length check applies to the rendered text, not to the messages."""
+    large = sum(len(m["content"]) for m in messages) > INLINE_CHARS
+    try:
+        text = await off_loop(large, tokenizer.render_chat, messages, add_generation_prompt)
+    except ValueError as e:  # no chat template
+        raise ApiError(400, str(e), "messages") from None
+    except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)
+        raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    check_fits(tokenizer, len(text), max_model_len, "messages")
+    # The template writes its own special tokens (BOS included), so don't add them twice.
+    return await off_loop(len(text) > INLINE_CHARS, tokenizer.encode, text, False)
+
+
+async def decode(tokenizer: Tokenizer, token_ids: list[int]) -> str:
+    return await off_loop(len(token_ids) > INLINE_TOKENS, tokenizer.decode, token_ids)
