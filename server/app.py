@@ -30,7 +30,7 @@ from server.protocol import RETRY_AFTER_S, ApiError
 from server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # no API key needed (probes, scrapers, docs)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from server import native_api, openai_api
+    from server import native_api, openai_api, openapi
 
     options = options or ServerOptions()
     app = web.Application(client_max_size=options.max_body_bytes, middlewares=[_errors, _auth])
@@ -123,6 +123,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     app.router.add_get("/debug/timeline", timeline)
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 
