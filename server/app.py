@@ -33,7 +33,7 @@ from server.security import bearer_token, browser_checks
 from server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed (probes and scrapers)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # no API key needed (probes, scrapers, docs)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from server import native_api, openai_api
+    from server import native_api, openai_api, openapi
 
     options = options or ServerOptions()
     quiet_client_errors()
@@ -149,6 +149,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     app.router.add_get("/debug/timeline", timeline)
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 

@@ -1,0 +1,352 @@
+"""GET /openapi.json: the whole API as an OpenAPI 3.1 document, for clients and code generators.
+
+Request bodies are generated from the msgspec Structs that the handlers decode with
+(server/protocol.py), so the schema cannot drift from what the server accepts; responses from
+those of server/responses.py. The fuzz test (tests/test_fuzz.py) checks every answer against
+the document. The websocket's messages, which OpenAPI cannot express, are components too, named
+from the /ws operation's `x-websocket-messages`.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from scheduler.sampling_params import MAX_TOP_LOGPROBS
+from server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
+from server.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChromeTrace,
+    Completion,
+    CompletionChunk,
+    ErrorResponse,
+    GenerateChunk,
+    GenerateResult,
+    Health,
+    ModelList,
+    WsEvent,
+)
+
+REF = "#/components/schemas/{name}"
+
+# ---- the document -------------------------------------------------------------------------
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": REF.format(name=name)}}}}
+
+
+def _json_or_sse(name: str, chunk: str, description: str) -> dict[str, Any]:
+    """A 200 that is JSON, or server-sent events when the request says `stream: true`."""
+    # Before OpenAPI 3.2 (`itemSchema`), the schema of an event stream describes one event, with
+    # its `data` as JSON text in `contentSchema` (the convention of OpenAPI 3.2 and of tools).
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": REF.format(name=chunk)}, {"$ref": REF.format(name="ErrorResponse")}]},
+    }
+    response = _json(name, description)
+    response["content"]["text/event-stream"] = {
+        "schema": {
+            "description": f"one server-sent event: `data: <{chunk}>` per step, then `data: [DONE]`; an error "
+            "after the 200 went out is one more event, an ErrorResponse, before [DONE]",
+            "type": "object",
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+            "required": ["data"],
+        }
+    }
+    return response
+
+
+_ERRORS = {
+    400: "malformed JSON, a field of the wrong type or out of range, an unknown model, a prompt too long",
+    401: "the server has an API key and `Authorization: Bearer <key>` is missing or wrong",
+    413: "the body is over the size limit (16 MiB by default)",
+    503: "the queue is full, a stage has died, or the server is shutting down",
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for code in codes:
+        out[str(code)] = _json("ErrorResponse", _ERRORS[code])
+        if code == 503:
+            out["503"]["headers"] = {
+                "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
+            }
+    return out
+
+
+def _op(
+    operation_id: str,
+    tag: str,
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    body: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    op = {"operationId": operation_id, "tags": [tag], "summary": summary, **(extra or {}), "responses": responses}
+    if body is not None:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(name=body)}}},
+        }
+    return op
+
+
+_WS = """JSON text messages. The client sends WsMessage (`generate` with an id it chooses, unique among its
+open requests, or `cancel`); the server answers WsEvent: `token` events, then one `done` (finish_reason
+`abort` after a cancel), or an `error`. The socket stays open after errors."""
+_WS_MESSAGES = {"client": {"$ref": REF.format(name="WsMessage")}, "server": {"$ref": REF.format(name="WsEvent")}}
+OPEN: dict[str, Any] = {"security": []}  # no API key needed
+
+
+def _paths() -> dict[str, Any]:
+    generation_errors = _errors(400, 401, 413, 503)
+    return {
+        "/v1/completions": {
+            "post": _op(
+                "createCompletion",
+                "openai",
+                "Complete one prompt or several (OpenAI-compatible)",
+                {"200": _json_or_sse("Completion", "CompletionChunk", "n choices per prompt"), **generation_errors},
+                body="CompletionRequest",
+            )
+        },
+        "/v1/chat/completions": {
+            "post": _op(
+                "createChatCompletion",
+                "openai",
+                "Answer a conversation, rendered with the model's chat template (OpenAI-compatible)",
+                {"200": _json_or_sse("ChatCompletion", "ChatCompletionChunk", "n choices"), **generation_errors},
+                body="ChatRequest",
+            )
+        },
+        "/v1/models": {
+            "get": _op(
+                "listModels",
+                "openai",
+                "The served model and its context length",
+                {"200": _json("ModelList", "one model"), **_errors(401)},
+            )
+        },
+        "/generate": {
+            "post": _op(
+                "generate",
+                "native",
+                "Generate from text or token ids; answers text and token ids",
+                {"200": _json_or_sse("GenerateResult", "GenerateChunk", "the generation"), **generation_errors},
+                body="GenerateRequest",
+            )
+        },
+        "/ws": {
+            "get": _op(
+                "websocket",
+                "native",
+                "Websocket: several generations at once on one connection, with cancel",
+                {
+                    "101": {"description": "switching to the websocket protocol"},
+                    "400": _json("ErrorResponse", "not a websocket handshake"),
+                    **_errors(401),
+                },
+                extra={"description": " ".join(_WS.split()), "x-websocket-messages": _WS_MESSAGES},
+            )
+        },
+        "/health": {
+            "get": _op(
+                "health",
+                "operations",
+                "Liveness and readiness (no API key needed)",
+                {
+                    "200": _json("Health", "the server can take requests"),
+                    "503": _json("Health", "a stage has died, or the server is starting or shutting down"),
+                },
+                extra=OPEN,
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "metrics",
+                "operations",
+                "Prometheus metrics (no API key needed)",
+                {"200": _text("text/plain", "Prometheus text exposition format 0.0.4", {"type": "string"})},
+                extra=OPEN,
+            )
+        },
+        "/debug/timeline": {
+            "get": _op(
+                "timeline",
+                "operations",
+                "Recent per-stage compute intervals as Chrome trace JSON (open it in Perfetto)",
+                {"200": _json("ChromeTrace", "the trace"), **_errors(401, 503)},
+            )
+        },
+        "/openapi.json": {
+            "get": _op(
+                "openapi",
+                "operations",
+                "This document (no API key needed)",
+                {"200": _text("application/json", "OpenAPI 3.1", {"type": "object"})},
+                extra=OPEN,
+            )
+        },
+    }
+
+
+def _text(media_type: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {media_type: {"schema": schema}}}
+
+
+# What the handlers and SamplingParams check beyond the Structs' types, per field and JSON type.
+# Applied only where the Struct's own schema says nothing (msgspec Meta constraints win).
+_LOG = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+_PENALTY = {"number": {"minimum": -2, "maximum": 2}}
+_IDS = {"integer": {"minimum": 0}, "array": {"minItems": 1}}
+_LIMITS: dict[str, dict[str, dict[str, Any]]] = {
+    "temperature": {"number": {"minimum": 0}},
+    "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
+    "top_k": {"integer": {"minimum": 0}},
+    "min_p": {"number": {"minimum": 0, "maximum": 1}},
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "seed": {"integer": {"minimum": 0, "maximum": 2**63 - 1}},
+    "stop": {"string": {"minLength": 1}},
+    "stop_token_ids": {"integer": {"minimum": 0}},
+    "n": {"integer": {"minimum": 1, "maximum": MAX_N}},
+    "max_tokens": {"integer": {"minimum": 1}},
+    "max_completion_tokens": {"integer": {"minimum": 1}},
+    "logprobs": {"integer": _LOG},  # a boolean in chat: untouched
+    "top_logprobs": {"integer": _LOG},
+    "messages": {"array": {"minItems": 1}},
+    "text": {"string": {"minLength": 1}},
+    "input_ids": _IDS,
+    # OpenAI fields taken for compatibility, only when empty:
+    "suffix": {"string": {"maxLength": 0}},
+    "logit_bias": {"object": {"maxProperties": 0}},
+    "tools": {"array": {"maxItems": 0}},
+}
+# Chat content as a list of parts: text parts only.
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+
+
+def _components() -> dict[str, Any]:
+    requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest]
+    responses: list[Any] = [
+        ErrorResponse,
+        *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
+        *(GenerateResult, GenerateChunk, Health, ChromeTrace),
+    ]
+    (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
+        [*requests, *responses, WsMessage, WsEvent], ref_template=REF
+    )
+    schemas["WsMessage"] = ws_message  # the unions have no name of their own
+    schemas["WsEvent"] = ws_event
+    bodies = ("CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsCancel")
+    for name in (*bodies, "NativeSampling"):
+        for field, prop in schemas[name]["properties"].items():
+            _limit(prop, _LIMITS.get(field, {}))
+    # `prompt` is `Any` in the Struct (its four forms are told apart by `prompts()`); give its real union.
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    schemas["CompletionRequest"]["properties"]["prompt"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            ids,
+            {"type": "array", "items": ids, "minItems": 1},
+        ],
+        "description": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    }
+    for branch in schemas["ChatMessage"]["properties"]["content"]["anyOf"]:
+        if branch.get("type") == "array":
+            branch["items"] = _TEXT_PART
+    # /generate takes exactly one of `text` and `input_ids` (the other absent or null).
+    for name in ("GenerateRequest", "WsGenerate"):
+        schemas[name]["anyOf"] = [
+            {"required": [given], "properties": {given: {"not": {"type": "null"}}, other: {"type": "null"}}}
+            for given, other in (("text", "input_ids"), ("input_ids", "text"))
+        ]
+    # `decode()` treats a top-level null as absent, so every optional field of a body takes null
+    # (not those of sampling_params, which is nested).
+    for name in bodies:
+        schema = schemas[name]
+        for field, prop in schema["properties"].items():
+            if field not in schema["required"] and not _nullable(prop):
+                schema["properties"][field] = _with_null(prop)
+    return schemas
+
+
+def _limit(schema: dict[str, Any], limits: dict[str, dict[str, Any]]) -> None:
+    """Add `limits[type]` to every node of `schema` of that JSON type (through anyOf and items)."""
+    for key, value in limits.get(schema.get("type", ""), {}).items():
+        schema.setdefault(key, value)
+    for branch in schema.get("anyOf", []):
+        _limit(branch, limits)
+    if isinstance(schema.get("items"), dict):
+        _limit(schema["items"], limits)
+
+
+def _nullable(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(p.get("type") == "null" for p in prop.get("anyOf", []))
+
+
+def _with_null(prop: dict[str, Any]) -> dict[str, Any]:
+    """`prop` or null, keeping its annotations (default, description) at the top."""
+    annotations = {k: v for k, v in prop.items() if k in ("default", "description", "title")}
+    schema = {k: v for k, v in prop.items() if k not in annotations}
+    return {"anyOf": [schema, {"type": "null"}], **annotations}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("ppserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "0.0.0"
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The document, a copy of its own (it depends on no setting of the running server)."""
+    document: dict[str, Any] = msgspec.json.decode(_document())
+    return document
+
+
+@functools.cache
+def _document() -> bytes:
+    return msgspec.json.encode(_build())
+
+
+def _build() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "ppserve",
+            "version": _version(),
+            "description": "Pipeline-parallel LLM serving: an OpenAI-compatible API, a native /generate, "
+            "and a websocket. Errors are ErrorResponse, with the field at fault in `param`. "
+            "A server started with an API key wants `Authorization: Bearer <key>` on every "
+            "operation but /health, /metrics and /openapi.json.",
+        },
+        "paths": _paths(),
+        "components": {
+            "schemas": _components(),
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearerAuth": []}],
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=_document(), content_type="application/json")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/openapi.json", openapi)

@@ -1,0 +1,212 @@
+"""Response bodies of the HTTP API and events of the websocket, as msgspec Structs.
+
+They describe what the handlers send (which build plain dicts of the same shape, for speed) in
+the OpenAPI document (server/openapi.py); tests check real answers against them. Requests are
+in server/protocol.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every error, whatever the endpoint (`ApiError.body()`); also the last event of a stream
+    that failed after its 200 went out."""
+
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None  # null in stream chunks until the choice ends
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct):
+    """One `data:` event of a streamed completion; with `include_usage`, a last one has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    synthetic: bool  # stages that only model timing (--synthetic-latency): the text is meaningless
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class NativeUsage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class NativeLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # [token_id, logprob] pairs, most likely first
+
+
+class GenerateResult(msgspec.Struct):
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: NativeUsage
+    logprobs: list[NativeLogprob] | None = None  # present when sampling_params.logprobs is set
+
+
+class GenerateChunk(msgspec.Struct):
+    """One `data:` event of a streamed /generate; the last one has `usage`."""
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    usage: NativeUsage | None = None
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok", "unhealthy"]
+    error: str | None = None  # why it is unhealthy
+
+
+class ChromeTrace(msgspec.Struct):
+    """Trace Event Format: one thread per stage, one complete ("X") event per computed plan."""
+
+    traceEvents: list[dict[str, Any]]  # the format's own (camelCase) names
+    displayTimeUnit: str
+
+
+class WsToken(msgspec.Struct, tag="token"):
+    """One generated token; `text` is what it completes ("" while a character is incomplete)."""
+
+    id: str
+    token_id: int
+    text: str
+    logprob: float | None = None  # present when sampling_params.logprobs is set
+
+
+class WsDone(msgspec.Struct, tag="done"):
+    """The request ended (finish_reason "abort" after a cancel)."""
+
+    id: str
+    finish_reason: FinishReason
+    usage: NativeUsage
+
+
+class WsError(msgspec.Struct, tag="error"):
+    """A bad message or a failed request (id null when the message had no readable id)."""
+
+    id: str | None
+    message: str
+
+
+WsEvent = WsToken | WsDone | WsError
