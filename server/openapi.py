@@ -66,8 +66,10 @@ def _json_or_sse(name: str, chunk: str, description: str) -> dict[str, Any]:
 _ERRORS = {
     400: "malformed JSON, a field of the wrong type or out of range, an unknown model, a prompt too long",
     401: "the server has an API key and `Authorization: Bearer <key>` is missing or wrong",
+    403: "a foreign `Host` on a loopback-bound server, or a websocket from a foreign `Origin`",
     413: "the body is over the size limit (16 MiB by default)",
-    503: "the queue is full, a stage has died, or the server is shutting down",
+    415: "the body is not sent as `Content-Type: application/json`",
+    503: "the queue is full, the engine is dead, or the server is shutting down",
 }
 
 
@@ -108,7 +110,7 @@ OPEN: dict[str, Any] = {"security": []}  # no API key needed
 
 
 def _paths() -> dict[str, Any]:
-    generation_errors = _errors(400, 401, 413, 503)
+    generation_errors = _errors(400, 401, 403, 413, 415, 503)
     return {
         "/v1/completions": {
             "post": _op(
@@ -153,7 +155,7 @@ def _paths() -> dict[str, Any]:
                 {
                     "101": {"description": "switching to the websocket protocol"},
                     "400": _json("ErrorResponse", "not a websocket handshake"),
-                    **_errors(401),
+                    **_errors(401, 403),
                 },
                 extra={"description": " ".join(_WS.split()), "x-websocket-messages": _WS_MESSAGES},
             )
@@ -165,7 +167,11 @@ def _paths() -> dict[str, Any]:
                 "Liveness and readiness (no API key needed)",
                 {
                     "200": _json("Health", "the server can take requests"),
-                    "503": _json("Health", "a stage has died, or the server is starting or shutting down"),
+                    "503": _json(
+                        "Health",
+                        "recovering (a failed stage is being replaced; requests wait), or unhealthy: the "
+                        "engine is dead, starting or shutting down",
+                    ),
                 },
                 extra=OPEN,
             )

@@ -174,7 +174,7 @@ class GenerateChunk(msgspec.Struct):
 
 
 class Health(msgspec.Struct):
-    status: Literal["ok", "unhealthy"]
+    status: Literal["ok", "recovering", "unhealthy"]  # recovering: a failed stage is being replaced
     error: str | None = None  # why it is unhealthy
 
 

@@ -11,8 +11,7 @@
 - Any answer later than HANG_S is a hang, a failure. Afterwards the server must answer a greedy
   request exactly as before the fuzzing, and have logged no error.
 
-Reproducible: a fixed seed, Hypothesis derandomized. Defects known and being fixed elsewhere
-are skipped by `_known_defect` (remove its entries as the fixes land).
+Reproducible: a fixed seed, Hypothesis derandomized.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import aiohttp
 import msgspec
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer
 
@@ -70,24 +69,6 @@ def target(llama_dir: Path) -> Iterator[Target]:
     assert code == 0, "".join(server.output)
 
 
-def _known_defect(body: Any) -> str | None:
-    """Requests that hit a defect reported and being fixed in another branch: skipped until then.
-    Remove each entry once its fix is merged (the fuzzing will then cover it)."""
-    if not isinstance(body, dict):
-        return None
-    sampling = body.get("sampling_params")
-    fields = sampling if isinstance(sampling, dict) else body
-    top_k, seed, n = fields.get("top_k"), fields.get("seed"), body.get("n")
-    if isinstance(top_k, int) and top_k >= 2**63:
-        return "top_k beyond int64 hangs the request and kills the engine"
-    if isinstance(seed, int) and isinstance(n, int) and 1 < n <= 16 and 0 <= seed < 2**63 <= seed + n - 1:
-        return "seed + i of choice i beyond int64 is a 500"
-    return None
-
-
-KNOWN_AUTH = "an Authorization header that is not UTF-8 is a 500"  # remove with the fix, as above
-
-
 # ---- HTTP ---------------------------------------------------------------------------------
 
 # Loaded when the module is (so each operation is a test of its own) from the document the server
@@ -126,7 +107,6 @@ def _whole(value: Any) -> Any:
 @SETTINGS
 def test_http_api(case: schemathesis.Case, target: Target) -> None:
     case.body = _whole(case.body)
-    assume(_known_defect(case.body) is None)
     _call(case, target)
 
 
@@ -198,9 +178,7 @@ def _edge_cases() -> list[Any]:
 
 
 def _param(method: str, path: str, body: Any, headers: dict[str, str], label: str) -> Any:
-    known = _known_defect(body) or (KNOWN_AUTH if headers else None)
-    marks = [pytest.mark.skip(reason=f"known defect: {known}")] if known else []
-    return pytest.param(method, path, body, headers, id=label, marks=marks)
+    return pytest.param(method, path, body, headers, id=label)
 
 
 def _nest(value: Any, depth: int) -> Any:
@@ -290,7 +268,6 @@ def socket(target: Target) -> Iterator[Socket]:
 @given(message=_ws_messages())
 @settings(SETTINGS, max_examples=2 * EXAMPLES)
 def test_websocket_messages(socket: Socket, message: Any) -> None:
-    assume(_known_defect(message) is None)
     events = socket.exchange(message)
     last = events[-1]
     assert not (last["type"] == "error" and last["message"].startswith("internal error")), (message, last)
