@@ -42,11 +42,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result."""
-        if not self.hf.chat_template:
-            raise ValueError("this model has no chat template; use completions with a plain prompt")
-        text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
         # The template writes its own special tokens (BOS included), so don't add them twice.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (what `apply_chat_template` tokenizes), so a
