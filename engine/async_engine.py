@@ -41,7 +41,8 @@ log = logging.getLogger("ppserve.engine")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot serve: a stage died, or the engine was closed."""
+    """The engine cannot serve: a stage failed past the restart budget, a host task failed, or
+    the engine was closed."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -130,9 +131,10 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
-        for task in (self._driver_task, self._recovery):
-            if task is not None:
-                task.cancel()
+        tasks = [t for t in (self._driver_task, self._recovery) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.error is None:
             self.error = EngineDeadError("the engine is shut down")
         self._fail_streams(self.error)
@@ -153,7 +155,7 @@ class AsyncEngine:
                 await asyncio.wait_for(self._progress.wait(), remaining)
             except TimeoutError:
                 return False
-        return not self.scheduler.has_work
+        return self.error is None and not self.scheduler.has_work
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -364,11 +366,13 @@ class AsyncEngine:
             self.timeline.forget_in_flight()
             log.warning("replacing stage %d; %d running request(s) will be recomputed", error.stage, preempted)
             try:
-                replaced = await self._pool.replace(error.stage)
+                replaced = await self._pool.replace(error.stage, self.scheduler.next_mb_id)
             except StageError as e:
                 log.error("replacing stage %d failed: %s", error.stage, e)
                 error = e
                 continue
+            if self.error is not None:
+                return  # another host task failed meanwhile: the engine is dead already
             for i in replaced:
                 self.stage_restarts[i] += 1
             break

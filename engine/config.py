@@ -137,11 +137,13 @@ class EngineConfig:
             raise ConfigError(f"threads_per_stage must be >= 1, got {threads_per_stage}")
         for name, seconds in (
             ("stage_start_timeout_s", stage_start_timeout_s),
-            ("stage_timeout_s", stage_timeout_s),
             ("stage_restart_window_s", stage_restart_window_s),
         ):
             if not math.isfinite(seconds) or seconds <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
+        # Stages send a heartbeat every 0.2 s: leave room for a few of them to be late.
+        if not (math.isfinite(stage_timeout_s) and stage_timeout_s >= 1.0):
+            raise ConfigError(f"stage_timeout_s must be at least 1 second, got {stage_timeout_s}")
         if max_stage_restarts < 0:
             raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
         if stage_hosts and len(stage_hosts) != pp_size:

@@ -64,7 +64,9 @@ class StagePool:
     ) -> None:
         self.config = config
         self.on_result = on_result
-        self.on_failure = on_failure  # called once per failed stage process, while serving
+        # Called once per failed stage process while serving; during start-up or a replacement,
+        # failures are raised by `start` / `replace` instead.
+        self.on_failure = on_failure
         self.addresses = (
             Addresses.tcp(config.pp_size, config.stage_hosts[0], config.stage_hosts)
             if config.stage_hosts
@@ -102,7 +104,7 @@ class StagePool:
             specs.append(ChannelSpec(cfg.tensor_transport, i, i + 1, self.addresses.edge(i), ring))
         return specs
 
-    def _spawn(self, stage: int) -> None:
+    def _spawn(self, stage: int, first_mb: int = 0) -> None:
         cfg = self.config
         launch = StageLaunch(
             config=cfg,
@@ -113,11 +115,13 @@ class StagePool:
             dist_port=self._dist_port,
             threads=cfg.threads_per_stage,
             parent_pid=os.getpid(),
+            first_mb=first_mb,
         )
         proc = mp.get_context("spawn").Process(
             target=stage_main, args=(launch,), name=f"ppserve-stage-{stage}", daemon=True
         )
         proc.start()
+        self._reported.discard(proc.pid or 0)  # a pid the OS reused from a process reported before
         if stage < len(self.procs):
             self.procs[stage] = proc
         else:
@@ -135,9 +139,10 @@ class StagePool:
             self._spawn(i)
         await self._handshake(set(range(self.config.pp_size)), set())
 
-    async def replace(self, stage: int) -> list[int]:
+    async def replace(self, stage: int, first_mb: int) -> list[int]:
         """Replace a failed stage (or every stage, with a process group) and reset the others;
-        returns the stages that were replaced. Raises StageError if that fails."""
+        returns the stages that were replaced. `first_mb`: the id of the first plan after the
+        reset (older ones are void). Raises StageError if that fails."""
         every = set(range(self.config.pp_size))
         fresh = every if self.uses_process_group else {stage}
         for i in sorted(fresh):
@@ -145,11 +150,11 @@ class StagePool:
         self.epoch += 1
         survivors = every - fresh
         for i in sorted(survivors):
-            self.plan_socks[i].send_nowait(Reset(self.epoch))
+            self.plan_socks[i].send_nowait(Reset(self.epoch, first_mb))
         if self.uses_process_group:
             self._dist_port = free_port_block(1)  # a fresh group: the old store may still linger
         for i in sorted(fresh):
-            self._spawn(i)
+            self._spawn(i, first_mb)
         await self._handshake(set(fresh), survivors)
         return sorted(fresh)
 
@@ -163,6 +168,10 @@ class StagePool:
         deadline = time.monotonic() + 5.0
         while proc.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if proc.is_alive():
+            # Stuck in the kernel (a wedged driver call): a replacement beside it would share its
+            # sockets and shared memory, so there is none.
+            raise StageError(f"stage {stage} (pid {proc.pid}) does not die; cannot replace it", stage)
         proc.join(timeout=0)
 
     async def _handshake(self, fresh: set[int], resetting: set[int]) -> None:
@@ -173,9 +182,14 @@ class StagePool:
         self._handshaking = True
         try:
             while fresh or resetting:
+                now = time.monotonic()
                 for i in sorted(fresh | resetting):
                     if not self.procs[i].is_alive():
                         await self._raise_dead(i)
+                    # A survivor was answering heartbeats before the reset: the usual grace applies.
+                    if i in resetting and now - self.last_seen[i] > self.config.stage_timeout_s:
+                        self.procs[i].kill()
+                        raise StageError(f"stage {i} (pid {self.procs[i].pid}) did not answer the reset", i)
                 if time.monotonic() > deadline:
                     missing = sorted(fresh | resetting)
                     raise StageError(f"stages {missing} not ready after {timeout_s:.0f} s", missing[0])

@@ -73,6 +73,7 @@ class StageLaunch:
     dist_port: int  # torch.distributed store port (gloo / nccl channels), else 0
     threads: int
     parent_pid: int
+    first_mb: int = 0  # micro-batches before this one were voided (a replacement joins mid-run)
 
 
 def stage_main(launch: StageLaunch) -> None:
@@ -107,6 +108,9 @@ class StageWorker:
         )
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
+        # Activations of micro-batches below this id are leftovers of plans voided by a reset:
+        # skipped. Any other mismatch between a plan and its activations is an error.
+        self.first_mb = launch.first_mb
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -164,7 +168,7 @@ class StageWorker:
         while True:
             msg = await self.plans.recv()
             if isinstance(msg, Reset):
-                await self._reset(msg.epoch)
+                await self._reset(msg.epoch, msg.first_mb)
             elif isinstance(msg, Shutdown):
                 await self._plans.put(None)
                 return
@@ -172,7 +176,7 @@ class StageWorker:
                 assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
                 await self._plans.put(msg)
 
-    async def _reset(self, epoch: int) -> None:
+    async def _reset(self, epoch: int, first_mb: int) -> None:
         """Void every plan received so far: stop the pipeline, let a computation in progress end
         (its output is dropped), forget queued plans and sampling state, start again empty."""
         for t in self._pipeline:
@@ -184,6 +188,7 @@ class StageWorker:
             self._plans.get_nowait()
         if self.last:
             self.sampler.clear()
+        self.first_mb = first_mb
         self._pipeline = self._launch_pipeline()
         await self.inbox.send(ResetDone(self.stage, epoch))
 
@@ -230,8 +235,7 @@ class StageWorker:
             if self.inbound is not None:
                 rows = sum(c.num_new for c in msg.chunks)
                 hidden = torch.empty((rows, hidden_size), dtype=self.config.torch_dtype, device=device)
-                # Older micro-batches are leftovers of plans voided by a reset: skipped.
-                header = await self.inbound.recv(hidden, skip_before=msg.mb_id)
+                header = await self.inbound.recv(hidden, skip_before=self.first_mb)
                 if header.mb_id != msg.mb_id:
                     raise RuntimeError(
                         f"stage {self.stage}: activations of micro-batch {header.mb_id} for plan {msg.mb_id}"

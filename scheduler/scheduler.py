@@ -91,6 +91,11 @@ class Scheduler:
         return r
 
     @property
+    def next_mb_id(self) -> int:
+        """The id the next plan will get (ids only grow, also across pipeline resets)."""
+        return self._next_mb
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

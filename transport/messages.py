@@ -112,6 +112,7 @@ class Reset(Msg, frozen=True):
     void. The stage drops queued plans and per-request sampling state, then answers ResetDone."""
 
     epoch: int
+    first_mb: int  # the first micro-batch of the new epoch: activations of older ones are leftovers
 
 
 class ResetDone(Msg, frozen=True):

@@ -6,6 +6,8 @@ processes when they start), so no named segment exists that a crash could leak.
 Why no acknowledgements: the host keeps at most `depth` micro-batches in flight and the ring
 has `depth` slots. Micro-batch k + depth is planned only after k's result is back, by which time
 the receiver has long copied k's slot out, so a slot is never overwritten while still unread.
+After a pipeline reset, headers of voided micro-batches are skipped without reading their slots,
+and the count starts again with nothing in flight, so the argument holds within each epoch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Tensor channels: how activations travel from stage i to stage i + 1.
 
-Every channel is one edge, one direction, FIFO: the k-th `recv` returns the k-th `send`. A small
+Every channel is one edge, one direction, FIFO: the k-th `recv` returns the k-th `send` (after a
+pipeline reset, the receiver skips what was sent for micro-batches the reset voided). A small
 `EdgeHeader` always travels over a ZeroMQ PUSH/PULL pair (micro-batch id, upstream timings); the
 tensor goes by the channel's own means. Shapes are not sent: the receiver knows them from the plan.
 
@@ -61,8 +62,8 @@ class TensorChannel(ABC):
 
     async def recv(self, out: torch.Tensor, skip_before: int = 0) -> EdgeHeader:
         """Receive the next tensor into `out` (its shape, dtype and device say what to expect).
-        Micro-batches numbered below `skip_before` are dropped unread: they were sent before the
-        pipeline was reset (micro-batch ids only grow). Channels whose tensors travel apart from
+        Micro-batches numbered below `skip_before` (the first of the current epoch) are dropped
+        unread: they were sent for plans that a pipeline reset voided. Channels whose tensors travel apart from
         the header (gloo, nccl) never see such leftovers: every stage is replaced together."""
         assert self.pull is not None, "recv on the sending end"
         while True:
