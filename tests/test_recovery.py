@@ -144,3 +144,29 @@ async def test_recovery_on_other_tensor_channels(llama_dir: Path, fault_free: li
         os.kill(engine._pool.procs[1].pid or 0, signal.SIGKILL)
         assert await asyncio.wait_for(tasks, timeout=120) == fault_free
         assert engine.stage_restarts == ([0, 1, 0] if transport == "zmq" else [1, 1, 1])
+
+
+async def test_stages_send_heartbeats_while_they_load(llama_dir: Path) -> None:
+    """Liveness (and the stage's own orphan check) runs from the moment a stage starts, not only
+    once its model is loaded and profiled: a heartbeat arrives before each stage's StageReady."""
+    from engine.stage_pool import StagePool
+    from transport.messages import ControlMsg, Heartbeat, StageReady
+
+    config = engine_config(llama_dir, 2, dynamic_chunking=True)  # start-up includes a ~1-3 s profile
+    pool = StagePool(config, lambda _: None, lambda _: None)
+    seen: list[ControlMsg] = []
+    recv = pool.inbox.recv
+
+    async def recording() -> ControlMsg:
+        msg = await recv()
+        seen.append(msg)
+        return msg
+
+    pool.inbox.recv = recording  # type: ignore[method-assign]
+    try:
+        await asyncio.wait_for(pool.start(), timeout=120)
+    finally:
+        await pool.close()
+    for stage in range(2):
+        kinds = [type(m) for m in seen if getattr(m, "stage", None) == stage]
+        assert Heartbeat in kinds and kinds.index(Heartbeat) < kinds.index(StageReady), kinds
