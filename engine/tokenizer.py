@@ -13,6 +13,7 @@ from engine.model_config import ConfigError
 # Tokens of context kept before the unread ones: enough for a tokenizer to decode a word's
 # leading space (SentencePiece) or finish a multi-token character (byte-level BPE) correctly.
 _CONTEXT_TOKENS = 6
+INLINE_CHARS = 4096  # texts up to this long tokenize in well under a millisecond: no thread hop
 
 
 class Tokenizer:

@@ -17,12 +17,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import INLINE_CHARS, Tokenizer
 from server.protocol import ApiError
 
 T = TypeVar("T")
-INLINE_CHARS = 4096  # texts up to this long tokenize in well under a millisecond
-INLINE_TOKENS = 4096  # token lists up to this long decode as fast
+INLINE_TOKENS = 4096  # token lists up to this long decode as fast as INLINE_CHARS characters encode
 
 
 async def off_loop(large: bool, fn: Callable[..., T], *args: Any) -> T:

@@ -184,3 +184,27 @@ async def test_stage_start_failure_reports_the_stage_error(llama_dir: Path, tmp_
     with pytest.raises(StageError, match=r"stage 1 failed to start: .*missing tensor\(s\): model.layers.3"):
         async with AsyncEngine(engine_config(ckpt, 2)):
             pass
+
+
+async def test_text_prompts_do_not_stall_the_event_loop(llama_dir: Path) -> None:
+    """generate() with text: a text too long for the context is refused from its length alone
+    (the tokenizer never sees it), and a long text is tokenized off the event loop's thread."""
+    import threading
+
+    async with AsyncEngine(engine_config(llama_dir, 2)) as engine:
+        threads: list[int] = []
+        encode = engine.tokenizer.encode
+
+        def recording(text: str, add_special_tokens: bool = True) -> list[int]:
+            threads.append(threading.get_ident())
+            return encode(text, add_special_tokens)
+
+        engine.tokenizer.encode = recording  # type: ignore[method-assign]
+        huge = "x" * (engine.config.max_model_len * engine.tokenizer.max_token_chars + 1)
+        with pytest.raises(ValueError, match="characters long"):
+            await collect(engine, huge, GREEDY)
+        assert threads == []
+        assert await collect(engine, "a short prompt", GREEDY)
+        assert threads == [threading.get_ident()]  # small: inline, cheaper than a thread hop
+        assert await engine._encode("a longer prompt " * 500)
+        assert threads[-1] != threading.get_ident()
