@@ -30,7 +30,7 @@ from engine.outputs import RequestOutput, TokenLogprob
 from engine.restart_budget import RestartBudget
 from engine.stage_pool import StageError, StagePool
 from engine.timeline import Timeline
-from engine.tokenizer import INLINE_CHARS, IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.driver import PipelineDriver
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -185,7 +185,10 @@ class AsyncEngine:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
         engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full."""
         params = params or SamplingParams()
-        ids = await self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
+        else:
+            ids = list(prompt)
         self._check_admission()
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -209,20 +212,6 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not request.finished:
                 self.abort(rid)
-
-    async def _encode(self, text: str) -> list[int]:
-        """A text prompt's token ids, without stalling the application's event loop: a text too
-        long for the context is refused from its length alone (no token covers more than
-        `max_token_chars` characters), and a long one is tokenized in a worker thread."""
-        limit = self.config.max_model_len * self.tokenizer.max_token_chars
-        if len(text) > limit:
-            raise ValueError(
-                f"prompt is {len(text)} characters long; this model's context of {self.config.max_model_len} "
-                f"tokens holds at most {limit}"
-            )
-        if len(text) <= INLINE_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None, pending: int = 0) -> None:
         """Raise what `generate` would raise for this request, without starting it: ValueError

@@ -265,19 +265,19 @@ class StagePool:
                 if proc.pid in self._reported:
                     continue
                 if not proc.is_alive():
-                    self._report(StageError(f"stage {i} (pid {proc.pid}) died with exit code {proc.exitcode}", i))
+                    self._report(
+                        StageError(f"stage {i} (pid {proc.pid}) died with exit code {proc.exitcode}", i), proc.pid
+                    )
                 elif (silent := now - self.last_seen[i]) > self.config.stage_timeout_s:
                     proc.kill()  # a hung process cannot be trusted to wake up later
                     message = f"stage {i} (pid {proc.pid}) sent nothing for {silent:.1f} s; killed it"
-                    self._report(StageError(message, i))
+                    self._report(StageError(message, i), proc.pid)
 
-    def _report(self, error: StageError, pid: int | None = None) -> None:
-        if error.stage is not None:
-            pid = pid or self.procs[error.stage].pid
-        if pid is not None:
-            if pid in self._reported:
-                return
-            self._reported.add(pid)
+    def _report(self, error: StageError, pid: int | None) -> None:
+        """Tell the engine, once per failed process."""
+        if pid in self._reported:
+            return
+        self._reported.add(pid or 0)
         self.on_failure(error)
 
     # ---- shutdown -------------------------------------------------------------------------

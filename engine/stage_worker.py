@@ -115,9 +115,8 @@ class StageWorker:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._stopped: asyncio.Future[None] = loop.create_future()  # a result: drained; an error: failed
-        heartbeat = self._watch(asyncio.create_task(self._heartbeat()))
         self._pipeline: list[asyncio.Task[None]] = []
-        reader: asyncio.Task[None] | None = None
+        tasks = [self._watch(asyncio.create_task(self._heartbeat()))]  # from the start: loading included
         try:
             try:
                 await self._start()
@@ -126,7 +125,7 @@ class StageWorker:
                 return 1
             self._plans: asyncio.Queue[StepPlan | None] = asyncio.Queue()
             self._pipeline = self._launch_pipeline()
-            reader = self._watch(asyncio.create_task(self._read_plans()))
+            tasks.append(self._watch(asyncio.create_task(self._read_plans())))
             try:
                 await self._stopped  # until the pipeline drains after Shutdown, or a task fails
                 return 0
@@ -134,7 +133,7 @@ class StageWorker:
                 await self._fail(f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e, limit=5))}")
                 return 1
         finally:
-            for t in [heartbeat, *self._pipeline, *([reader] if reader else [])]:
+            for t in [*tasks, *self._pipeline]:
                 t.cancel()
             self._close()
 

@@ -3,6 +3,7 @@ and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens)
         return ids
+
+    def check_fits(self, chars: int, max_tokens: int, what: str = "prompt") -> None:
+        """ValueError if a text of `chars` characters needs more than `max_tokens` tokens, known
+        from its length alone (see `max_token_chars`), so a huge text is never tokenized."""
+        limit = max_tokens * self.max_token_chars
+        if chars > limit:
+            raise ValueError(
+                f"{what} is {chars} characters long, more than a context of {max_tokens} tokens can hold "
+                f"(at most {limit} characters: no token covers more than {self.max_token_chars})"
+            )
+
+    async def encode_async(
+        self, text: str, max_tokens: int, add_special_tokens: bool = True, what: str = "prompt"
+    ) -> list[int]:
+        """`encode` without stalling the event loop: a text that cannot fit `max_tokens` is refused
+        (ValueError) before tokenizing, and a long one is tokenized in a worker thread."""
+        self.check_fits(len(text), max_tokens, what)
+        if len(text) <= INLINE_CHARS:
+            return self.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

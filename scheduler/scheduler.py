@@ -244,14 +244,13 @@ class Scheduler:
         every live request is announced again; nothing a client has seen is lost. Returns how many
         requests were preempted."""
         self.inflight.clear()
-        self._released = []  # the stages forget every request anyway
         for r in list(self.requests.values()):
             r.inflight_plans = 0
             r.awaiting_sample = False
             r.announced = False
             if r.finished:  # ended while a plan still wrote its blocks: nothing writes them now
                 self._free(r)
-        self._released = []
+        self._released = []  # the stages forget every request anyway
         preempted = list(self.running)
         for r in reversed(preempted):  # keep their order at the head of the queue
             self._preempt(r)

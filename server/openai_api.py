@@ -19,10 +19,10 @@ from aiohttp import web
 
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.tokenizer import Tokenizer
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import MAX_SEED, SamplingParams
 from server import tokens
 from server.app import STATE, ServerState
-from server.protocol import SEED_MAX, ChatRequest, CompletionRequest, decode
+from server.protocol import ChatRequest, CompletionRequest, decode
 from server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
@@ -39,7 +39,7 @@ def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int,
     return [
         state.submit(
             ids,
-            replace(params, seed=(params.seed + i) % (SEED_MAX + 1)) if params.seed is not None else params,
+            replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) if params.seed is not None else params,
             f"{rid}-{first + i}",
             pending=first + i,  # the choices before this one are checked but not queued yet
         )

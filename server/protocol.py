@@ -15,18 +15,18 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from scheduler.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from scheduler.sampling_params import MAX_INT32, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)
 RETRY_AFTER_S = 1  # what 503 answers suggest
-INT32_MAX = 2**31 - 1  # token ids, top_k and token counts travel as int32
-SEED_MAX = 2**63 - 1  # seeds travel as int64
 MAX_ID_CHARS = 256  # websocket request ids are echoed in every event: keep them short
 
-NonNegInt32 = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]  # token ids, top_k
-Seed = Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)]
-TokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+# The ranges of SamplingParams, checked while decoding (token ids, top_k and counts travel as
+# int32, seeds as int64), so that the error names the field as the client wrote it.
+NonNegInt32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]  # token ids, top_k
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+TokenCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
@@ -263,8 +263,8 @@ def invalid(message: str) -> ApiError:
 def _check_ids(ids: list[int], field: str) -> None:
     """Token ids fit int32 (the vocabulary check comes later, in the engine). min and max scan
     at C speed: a 16 MiB body holds millions of ids."""
-    if min(ids) < 0 or max(ids) > INT32_MAX:
-        raise ApiError(400, f"prompt token ids must be in [0, {INT32_MAX}]", field)
+    if min(ids) < 0 or max(ids) > MAX_INT32:
+        raise ApiError(400, f"prompt token ids must be in [0, {MAX_INT32}]", field)
 
 
 def _is_ids(value: object) -> bool:

@@ -1,13 +1,12 @@
 """Prompt text to token ids (and back) without stalling the event loop.
 
 Tokenizing is linear in the text, and a 16 MiB body holds a lot of text: done on the event loop,
-one such request freezes every stream of the server for seconds. So:
-
-- a text that cannot fit the context is refused from its length alone, before any tokenizing:
-  no token covers more than `Tokenizer.max_token_chars` characters, so a text longer than
-  `max_model_len * max_token_chars` characters needs more tokens than the context holds;
-- what is left is tokenized on the loop when it is small (a thread hop would cost more than
-  the work) and in a worker thread when it is large (the tokenizer releases the GIL there).
+one such request freezes every stream of the server for seconds. So a text that cannot fit the
+context is refused from its length alone, before any tokenizing, and what is left is tokenized
+on the loop when it is small (a thread hop would cost more than the work) and in a worker
+thread when it is large (the tokenizer releases the GIL there): `Tokenizer.encode_async`. The
+chat template and the decoding of long token lists get the same treatment here, and every
+refusal becomes a 400 naming the request field at fault.
 """
 
 from __future__ import annotations
@@ -31,21 +30,13 @@ async def off_loop(large: bool, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
-def check_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, field: str) -> None:
-    """A 400 naming `field` if a text of `chars` characters cannot fit the context."""
-    limit = max_model_len * tokenizer.max_token_chars
-    if chars > limit:
-        raise ApiError(
-            400,
-            f"{field} is {chars} characters long, more than this model's context of {max_model_len} tokens can "
-            f"hold (at most {limit} characters: no token covers more than {tokenizer.max_token_chars})",
-            field,
-        )
-
-
-async def encode(tokenizer: Tokenizer, text: str, max_model_len: int, field: str) -> list[int]:
-    check_fits(tokenizer, len(text), max_model_len, field)
-    return await off_loop(len(text) > INLINE_CHARS, tokenizer.encode, text)
+async def encode(
+    tokenizer: Tokenizer, text: str, max_model_len: int, field: str, add_special_tokens: bool = True
+) -> list[int]:
+    try:
+        return await tokenizer.encode_async(text, max_model_len, add_special_tokens, what=field)
+    except ValueError as e:  # it cannot fit the context
+        raise ApiError(400, str(e), field) from None
 
 
 async def encode_chat(
@@ -60,9 +51,8 @@ async def encode_chat(
         raise ApiError(400, str(e), "messages") from None
     except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)
         raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
-    check_fits(tokenizer, len(text), max_model_len, "messages")
     # The template writes its own special tokens (BOS included), so don't add them twice.
-    return await off_loop(len(text) > INLINE_CHARS, tokenizer.encode, text, False)
+    return await encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
 
 
 async def decode(tokenizer: Tokenizer, token_ids: list[int]) -> str:

@@ -143,7 +143,9 @@ def test_paused_host_does_not_blame_its_stages(llama_dir: Path) -> None:
         threading.Event().wait(3.0)  # the length of the pause itself, three times the stage timeout
         server.proc.send_signal(signal.SIGCONT)
         thread.join(60)
-        assert not thread.is_alive() and b'"finish_reason": "length"' in out[0].replace(b'":"', b'": "')
+        assert not thread.is_alive()
+        events = [json.loads(line[6:]) for line in out[0].split(b"\n\n") if line.startswith(b"data: {")]
+        assert events[-1]["finish_reason"] == "length" and sum(len(e["token_ids"]) for e in events) == 600
         assert server.request("GET", "/health")[0] == 200
         m = server.metrics()
         assert not any(v for k, v in m.items() if k.startswith("ppserve_stage_restarts_total"))

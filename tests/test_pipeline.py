@@ -206,5 +206,5 @@ async def test_text_prompts_do_not_stall_the_event_loop(llama_dir: Path) -> None
         assert threads == []
         assert await collect(engine, "a short prompt", GREEDY)
         assert threads == [threading.get_ident()]  # small: inline, cheaper than a thread hop
-        assert await engine._encode("a longer prompt " * 500)
+        assert await engine.tokenizer.encode_async("a longer prompt " * 500, engine.config.max_model_len)
         assert threads[-1] != threading.get_ident()

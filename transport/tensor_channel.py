@@ -63,8 +63,9 @@ class TensorChannel(ABC):
     async def recv(self, out: torch.Tensor, skip_before: int = 0) -> EdgeHeader:
         """Receive the next tensor into `out` (its shape, dtype and device say what to expect).
         Micro-batches numbered below `skip_before` (the first of the current epoch) are dropped
-        unread: they were sent for plans that a pipeline reset voided. Channels whose tensors travel apart from
-        the header (gloo, nccl) never see such leftovers: every stage is replaced together."""
+        unread: they were sent for plans that a pipeline reset voided. Channels whose tensors
+        travel apart from the header (gloo, nccl) never see such leftovers: every stage is
+        replaced together."""
         assert self.pull is not None, "recv on the sending end"
         while True:
             frames = await self.pull.recv_frames()
