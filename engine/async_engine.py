@@ -25,17 +25,17 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from engine.config import EngineConfig
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.restart_budget import RestartBudget
-from engine.stage_pool import StageError, StagePool
-from engine.timeline import Timeline
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler.driver import PipelineDriver
-from scheduler.request import FinishReason, Request
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from transport.messages import Sampled, StepPlan, StepResult
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.outputs import RequestOutput, TokenLogprob
+from ppserve.engine.restart_budget import RestartBudget
+from ppserve.engine.stage_pool import StageError, StagePool
+from ppserve.engine.timeline import Timeline
+from ppserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from ppserve.scheduler.driver import PipelineDriver
+from ppserve.scheduler.request import FinishReason, Request
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from ppserve.transport.messages import Sampled, StepPlan, StepResult
 
 log = logging.getLogger("ppserve.engine")
 

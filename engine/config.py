@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_cache import kv_bytes_per_block
-from engine.model_config import ConfigError, ModelConfig
-from engine.partition import partition_layers
-from transport.tensor_channel import resolve_kind
+from ppserve.engine.kv_cache import kv_bytes_per_block
+from ppserve.engine.model_config import ConfigError, ModelConfig
+from ppserve.engine.partition import partition_layers
+from ppserve.transport.tensor_channel import resolve_kind
 
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from transport.messages import SeqChunk
+from ppserve.transport.messages import SeqChunk
 
 Execute = Callable[[Sequence[SeqChunk], "torch.Tensor | None"], torch.Tensor]
 BUDGET_S = 3.0  # after the from-scratch lengths, prefixed points are added until this much time has passed

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.sampler import Sample, Sampler
-from engine.stage_runner import StageRunner
-from scheduler.block_allocator import BlockAllocator
-from scheduler.request import FinishReason, Request
-from scheduler.sampling_params import SamplingParams
-from transport.messages import SeqChunk
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.sampler import Sample, Sampler
+from ppserve.engine.stage_runner import StageRunner
+from ppserve.scheduler.block_allocator import BlockAllocator
+from ppserve.scheduler.request import FinishReason, Request
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.messages import SeqChunk
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
-from engine.model_config import ModelConfig, RopeConfig
+from ppserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+from ppserve.engine.model_config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from scheduler.sampling_params import GREEDY_BELOW
+from ppserve.scheduler.sampling_params import GREEDY_BELOW
 
 
 class SamplerParams(Protocol):

@@ -24,11 +24,11 @@ from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig
-from engine.stage_worker import StageLaunch, stage_main
-from transport.addresses import Addresses, free_port_block
-from transport.control import PullSocket, PushSocket, context
-from transport.messages import (
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.stage_worker import StageLaunch, stage_main
+from ppserve.transport.addresses import Addresses, free_port_block
+from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.messages import (
     PROTOCOL_VERSION,
     Msg,
     Reset,
@@ -39,7 +39,7 @@ from transport.messages import (
     StepResult,
     encode,
 )
-from transport.tensor_channel import ChannelSpec
+from ppserve.transport.tensor_channel import ChannelSpec
 
 log = logging.getLogger("ppserve.engine")
 MONITOR_S = 0.1
@@ -96,7 +96,7 @@ class StagePool:
         for i in range(cfg.pp_size - 1):
             ring = None
             if cfg.tensor_transport == "shm":
-                from transport.shm_channel import allocate_ring
+                from ppserve.transport.shm_channel import allocate_ring
 
                 elem = cfg.torch_dtype.itemsize
                 slot_bytes = cfg.max_batched_tokens * cfg.model_config.hidden_size * elem

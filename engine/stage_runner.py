@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionMetadata, GatherBuffers
-from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_cache
-from engine.model import StageModel, rope_inv_freq
-from engine.model_config import ConfigError
-from engine.weights import load_stage_weights
-from transport.messages import SeqChunk
+from ppserve.engine.attention import AttentionMetadata, GatherBuffers
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.kv_cache import allocate_kv_cache
+from ppserve.engine.model import StageModel, rope_inv_freq
+from ppserve.engine.model_config import ConfigError
+from ppserve.engine.weights import load_stage_weights
+from ppserve.transport.messages import SeqChunk
 
 
 class StageRunner:

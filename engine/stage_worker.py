@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import EngineConfig
-from engine.latency_profile import profile_points, run_profile
-from engine.synthetic import SyntheticRunner
-from transport.addresses import Addresses
-from transport.control import PullSocket, PushSocket, context
-from transport.messages import (
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.latency_profile import profile_points, run_profile
+from ppserve.engine.synthetic import SyntheticRunner
+from ppserve.transport.addresses import Addresses
+from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.messages import (
     PROTOCOL_VERSION,
     EdgeHeader,
     Heartbeat,
@@ -50,10 +50,10 @@ from transport.messages import (
     StepResult,
     Timing,
 )
-from transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
+from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
 
 if TYPE_CHECKING:
-    from engine.stage_runner import StageRunner
+    from ppserve.engine.stage_runner import StageRunner
 
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
@@ -195,7 +195,7 @@ class StageWorker:
         launch = self.launch
         kinds = {s.kind for s in (launch.inbound, launch.outbound) if s is not None}
         if kinds & {"gloo", "nccl"}:
-            from transport.dist_channel import init_process_group
+            from ppserve.transport.dist_channel import init_process_group
 
             host = launch.addresses.stage_hosts[0] if launch.addresses.stage_hosts else "127.0.0.1"
             init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port)
@@ -206,7 +206,7 @@ class StageWorker:
         if self.config.dynamic_chunking:
             profile = await loop.run_in_executor(self.compute_pool, self._profile)
         if self.last:
-            from engine.sampler import Sampler
+            from ppserve.engine.sampler import Sampler
 
             self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
         if launch.inbound is not None:
@@ -307,7 +307,7 @@ class StageWorker:
 def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
     if config.synthetic_latency is not None:
         return SyntheticRunner(config, stage)
-    from engine.stage_runner import StageRunner
+    from ppserve.engine.stage_runner import StageRunner
 
     return StageRunner(config, stage)
 

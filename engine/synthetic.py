@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig
-from transport.messages import SeqChunk
+from ppserve.engine.config import EngineConfig
+from ppserve.transport.messages import SeqChunk
 
 
 def synthetic_seconds(latency: tuple[float, float, float], chunks: Sequence[SeqChunk], share: float) -> float:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transport.messages import StepPlan, StepResult
+from ppserve.transport.messages import StepPlan, StepResult
 
 
 @dataclass(frozen=True)

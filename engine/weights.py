@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.model import StageModel
-from engine.model_config import ConfigError
+from ppserve.engine.model import StageModel
+from ppserve.engine.model_config import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

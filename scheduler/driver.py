@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from transport.messages import Sampled, StepPlan, StepResult
+from ppserve.scheduler.request import Request
+from ppserve.scheduler.scheduler import Scheduler
+from ppserve.transport.messages import Sampled, StepPlan, StepResult
 
 
 class PipelineDriver:

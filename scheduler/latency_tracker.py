@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from scheduler.chunk_predictor import LatencyModel, fit_latency_model
+from ppserve.scheduler.chunk_predictor import LatencyModel, fit_latency_model
 
 log = logging.getLogger(__name__)
 

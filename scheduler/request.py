@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.sampling_params import SamplingParams
 
 
 class FinishReason(StrEnum):

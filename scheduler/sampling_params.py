@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from transport.messages import WireSamplingParams
+from ppserve.transport.messages import WireSamplingParams
 
 MAX_TOP_LOGPROBS = 20
 # Integer fields cross process boundaries as msgpack integers and reach torch as int64 or int32:

@@ -23,11 +23,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.block_allocator import BlockAllocator
-from scheduler.chunk_predictor import ChunkSizePredictor
-from scheduler.latency_tracker import LatencyTracker
-from scheduler.request import FinishReason, Request
-from transport.messages import NewRequest, Sampled, SeqChunk, StepPlan, StepResult
+from ppserve.scheduler.block_allocator import BlockAllocator
+from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
+from ppserve.scheduler.latency_tracker import LatencyTracker
+from ppserve.scheduler.request import FinishReason, Request
+from ppserve.transport.messages import NewRequest, Sampled, SeqChunk, StepPlan, StepResult
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.timeline import Interval, bubble_fractions
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
-from scheduler.sampling_params import SamplingParams
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.timeline import Interval, bubble_fractions
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.scheduler.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # Whole-model latency for the synthetic stages, seconds: a*l^2 (attention) + b*l (weights) + c

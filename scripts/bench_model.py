@@ -24,10 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.local_pipeline import LocalPipeline  # noqa: E402
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+from ppserve.engine.config import EngineConfig  # noqa: E402
+from ppserve.engine.local_pipeline import LocalPipeline  # noqa: E402
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 SPEC = TinySpec(
     arch="llama",

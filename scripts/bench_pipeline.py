@@ -28,14 +28,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.timeline import Interval  # noqa: E402
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
-from transport.addresses import free_port_block  # noqa: E402
-from transport.messages import EdgeHeader  # noqa: E402
-from transport.tensor_channel import ChannelSpec, open_channel  # noqa: E402
+from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
+from ppserve.engine.config import EngineConfig  # noqa: E402
+from ppserve.engine.timeline import Interval  # noqa: E402
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from ppserve.transport.addresses import free_port_block  # noqa: E402
+from ppserve.transport.messages import EdgeHeader  # noqa: E402
+from ppserve.transport.tensor_channel import ChannelSpec, open_channel  # noqa: E402
 
 # Layers dominate: 16 layers of width 512 (50M parameters) against a 4K vocabulary.
 COMPUTE_SPEC = TinySpec(
@@ -192,7 +192,7 @@ async def _channel_side(
     import zmq.asyncio
 
     if kind == "gloo":
-        from transport.dist_channel import init_process_group
+        from ppserve.transport.dist_channel import init_process_group
 
         init_process_group("gloo", rank, 2, "127.0.0.1", port)
     ctx = zmq.asyncio.Context()
@@ -227,7 +227,7 @@ async def _channel_side(
 def channel_round_trips(kind: str, sizes: list[int], reps: int) -> dict[str, float]:
     import torch.multiprocessing as mp
 
-    from transport.shm_channel import allocate_ring
+    from ppserve.transport.shm_channel import allocate_ring
 
     tmp = tempfile.TemporaryDirectory(prefix="ppserve-bench-")
     rings = [allocate_ring(2, max(sizes)) if kind == "shm" else None for _ in range(2)]

@@ -47,10 +47,10 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
-from server.demo import demo_checkpoint  # noqa: E402
+from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
+from ppserve.engine.config import EngineConfig  # noqa: E402
+from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from ppserve.server.demo import demo_checkpoint  # noqa: E402
 
 STATS = ("ttft", "itl", "tpot", "e2e")
 
@@ -243,7 +243,7 @@ async def http_run(
 @contextlib.contextmanager
 def served(args: argparse.Namespace, model_dir: Path) -> Iterator[tuple[str, int]]:
     """`ppserve serve` on a free port; yields (base URL, pid); SIGTERM (then SIGKILL) on the way out."""
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", "0"]
+    cmd = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(model_dir), "--port", "0"]
     cmd += ["--pp-size", str(args.pp_size), "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning"]
     cmd += ["--max-running-requests", str(args.max_running_requests)]
     cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]

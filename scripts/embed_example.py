@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from scheduler.sampling_params import SamplingParams
-from server.demo import demo_checkpoint
+from ppserve import AsyncEngine, EngineConfig, SamplingParams
+from ppserve.server.demo import demo_checkpoint
 
 
 async def answer(engine: AsyncEngine, name: str, prompt: str) -> None:

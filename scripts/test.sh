@@ -6,5 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/venv.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The view of the installed layout that mypy checks (see [tool.mypy] in pyproject.toml).
+mkdir -p build/typecheck/ppserve
+for pkg in engine scheduler transport server; do ln -sfn "../../../$pkg" "build/typecheck/ppserve/$pkg"; done
+ln -sfn ../../../ppserve/__init__.py build/typecheck/ppserve/__init__.py
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

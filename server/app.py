@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStats
-from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from scheduler.sampling_params import SamplingParams
-from server import tokens
-from server.client_errors import CLIENT_GONE, quiet_client_errors
-from server.metrics import ServerMetrics
-from server.protocol import RETRY_AFTER_S, ApiError
-from server.security import bearer_token, browser_checks
-from server.streams import as_api_error
+from ppserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStats
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.outputs import RequestOutput
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.server import tokens
+from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
+from ppserve.server.metrics import ServerMetrics
+from ppserve.server.protocol import RETRY_AFTER_S, ApiError
+from ppserve.server.security import bearer_token, browser_checks
+from ppserve.server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # no API key needed (probes, scrapers, docs)
@@ -134,7 +134,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from server import native_api, openai_api, openapi
+    from ppserve.server import native_api, openai_api, openapi
 
     options = options or ServerOptions()
     quiet_client_errors()

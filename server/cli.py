@@ -13,13 +13,13 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from engine.model_config import ConfigError
+from ppserve.engine.model_config import ConfigError
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from scheduler.sampling_params import SamplingParams
-    from server.app import ServerOptions
+    from ppserve.engine.async_engine import AsyncEngine
+    from ppserve.engine.config import EngineConfig
+    from ppserve.scheduler.sampling_params import SamplingParams
+    from ppserve.server.app import ServerOptions
 
 EXIT_USAGE = 2
 
@@ -103,7 +103,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _parse_origins(text: str) -> tuple[str, ...]:
-    from server.security import parse_origins
+    from ppserve.server.security import parse_origins
 
     try:
         return parse_origins(text)
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: int = 4096) -> EngineConfig:
-    from engine.config import EngineConfig
+    from ppserve.engine.config import EngineConfig
 
     return EngineConfig.create(
         model,
@@ -234,7 +234,7 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from scheduler.sampling_params import SamplingParams
+    from ppserve.scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -269,7 +269,7 @@ def _generate(args: argparse.Namespace) -> None:
 async def _generate_all(
     config: EngineConfig, prompts: list[str | list[int]], params: SamplingParams, chat: bool, as_json: bool
 ) -> None:
-    from engine.async_engine import AsyncEngine
+    from ppserve.engine.async_engine import AsyncEngine
 
     if config.synthetic_latency:
         print("ppserve generate: synthetic stages: timing model only, no real output", file=sys.stderr)
@@ -305,8 +305,8 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from server.app import ServerOptions
-    from server.demo import demo_checkpoint
+    from ppserve.server.app import ServerOptions
+    from ppserve.server.demo import demo_checkpoint
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before loading anything: a bad key file fails in a moment, not after the stages start.
@@ -332,7 +332,7 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
     """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
     from aiohttp import web
 
-    from server.app import create_app
+    from ppserve.server.app import create_app
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 DEMO_SPEC = TinySpec(
     arch="llama",

@@ -25,10 +25,10 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from engine.outputs import RequestOutput
-from server.app import STATE, ServerState
-from server.protocol import MAX_ID_CHARS, ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
-from server.streams import Collected, Stream, collect, merge, sse_response
+from ppserve.engine.outputs import RequestOutput
+from ppserve.server.app import STATE, ServerState
+from ppserve.server.protocol import MAX_ID_CHARS, ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
+from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
 
 log = logging.getLogger("ppserve.server")
 

@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.tokenizer import Tokenizer
-from scheduler.sampling_params import MAX_SEED, SamplingParams
-from server import tokens
-from server.app import STATE, ServerState
-from server.protocol import ChatRequest, CompletionRequest, decode
-from server.streams import Stream, collect, merge, sse_response
+from ppserve.engine.outputs import RequestOutput, TokenLogprob
+from ppserve.engine.tokenizer import Tokenizer
+from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
+from ppserve.server import tokens
+from ppserve.server.app import STATE, ServerState
+from ppserve.server.protocol import ChatRequest, CompletionRequest, decode
+from ppserve.server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
 

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from scheduler.sampling_params import MAX_TOP_LOGPROBS
-from server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
-from server.responses import (
+from ppserve.scheduler.sampling_params import MAX_TOP_LOGPROBS
+from ppserve.server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
+from ppserve.server.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     ChromeTrace,

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from scheduler.sampling_params import MAX_INT32, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from ppserve.scheduler.sampling_params import MAX_INT32, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)

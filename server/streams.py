@@ -12,11 +12,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.stage_pool import StageError
-from server.client_errors import CLIENT_GONE
-from server.protocol import RETRY_AFTER_S, ApiError
+from ppserve.engine.async_engine import EngineDeadError, EngineOverloadedError
+from ppserve.engine.outputs import RequestOutput, TokenLogprob
+from ppserve.engine.stage_pool import StageError
+from ppserve.server.client_errors import CLIENT_GONE
+from ppserve.server.protocol import RETRY_AFTER_S, ApiError
 
 log = logging.getLogger("ppserve.server")
 _json = msgspec.json.Encoder()  # several times faster than json.dumps, for one event per token

@@ -16,8 +16,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.tokenizer import INLINE_CHARS, Tokenizer
-from server.protocol import ApiError
+from ppserve.engine.tokenizer import INLINE_CHARS, Tokenizer
+from ppserve.server.protocol import ApiError
 
 T = TypeVar("T")
 INLINE_TOKENS = 4096  # token lists up to this long decode as fast as INLINE_CHARS characters encode

@@ -9,7 +9,7 @@ import pytest
 import torch
 from live_server import LiveServer
 
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 # Two cores: keep torch from oversubscribing them when tests run stage work in one process.
 torch.set_num_threads(2)

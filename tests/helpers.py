@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.local_pipeline import LocalPipeline
-from transport.messages import SeqChunk
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.transport.messages import SeqChunk
 
 GREEDY_TOKENS = 32
 

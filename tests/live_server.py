@@ -29,7 +29,7 @@ class LiveServer:
         env: dict[str, str] | None = None,
     ) -> None:
         """model_dir None: the built-in demo model. env: extra environment variables."""
-        args = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *flags]
+        args = [sys.executable, "-m", "ppserve.server.cli", "serve", "--port", "0", *flags]
         if model_dir is not None:
             args += ["--model", str(model_dir)]
         if api_key:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from scheduler.chunk_predictor import (
+from ppserve.scheduler.chunk_predictor import (
     MIN_FIT_POINTS,
     ChunkSizePredictor,
     LatencyModel,
@@ -145,7 +145,7 @@ def test_smooth_zero_gives_fixed_chunks(remaining: int) -> None:
 )
 def test_degenerate_model_falls_back_with_one_warning(model: LatencyModel, caplog: pytest.LogCaptureFixture) -> None:
     pred = ChunkSizePredictor(512, smooth=0.75, page_size=16)
-    with caplog.at_level(logging.WARNING, logger="scheduler.chunk_predictor"):
+    with caplog.at_level(logging.WARNING, logger="ppserve.scheduler.chunk_predictor"):
         assert pred.set_model(model) is False
         assert pred.set_model(model) is False  # refit with the same bad data: no second warning
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -162,13 +162,13 @@ def test_too_few_points_falls_back(caplog: pytest.LogCaptureFixture) -> None:
     assert len(samples) == MIN_FIT_POINTS - 1
     assert fit_latency_model(samples) is None
     pred = ChunkSizePredictor(1024)
-    with caplog.at_level(logging.WARNING, logger="scheduler.chunk_predictor"):
+    with caplog.at_level(logging.WARNING, logger="ppserve.scheduler.chunk_predictor"):
         assert pred.set_model(fit_latency_model(samples)) is False
     assert any("falling back to fixed chunks" in r.getMessage() for r in caplog.records)
     assert pred.next_chunk(50_000, BIG) == 1024
     # A usable model switches it on, and a later failure warns again.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="scheduler.chunk_predictor"):
+    with caplog.at_level(logging.WARNING, logger="ppserve.scheduler.chunk_predictor"):
         assert pred.set_model(model) is True
         assert not caplog.records
         assert pred.set_model(None) is False

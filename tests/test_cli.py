@@ -12,16 +12,16 @@ import pytest
 from helpers import pipeline
 from live_server import ROOT, LiveServer
 
-from engine.tokenizer import Tokenizer
-from scheduler.sampling_params import SamplingParams
-from server.cli import build_parser
+from ppserve.engine.tokenizer import Tokenizer
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.server.cli import build_parser
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     if args[:1] == ("generate",):
         args = (*args, "--kv-cache-gb", "0.02")  # the tiny model needs little; allocate little
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "ppserve.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -192,7 +192,7 @@ def test_chunking_flag_errors(
 
 
 def test_smooth_factor_from_flag_or_environment(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.config import EngineConfig
+    from ppserve.engine.config import EngineConfig
 
     assert EngineConfig.create(llama_dir, num_kv_blocks=8).chunk_smooth == 0.75
     monkeypatch.setenv("PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.4")

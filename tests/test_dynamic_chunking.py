@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from helpers import random_prompt
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.synthetic import synthetic_seconds
-from engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
-from scheduler.chunk_predictor import LatencyModel
-from scheduler.sampling_params import SamplingParams
-from transport.messages import SeqChunk
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.synthetic import synthetic_seconds
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.scheduler.chunk_predictor import LatencyModel
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.messages import SeqChunk
 
 pytestmark = pytest.mark.slow
 

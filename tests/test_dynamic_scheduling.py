@@ -7,14 +7,14 @@ import itertools
 
 import pytest
 
-from engine.latency_profile import LENGTHS, profile_points
-from engine.timeline import Timeline, bubble_fractions, intervals_from_trace
-from scheduler.chunk_predictor import LatencyModel
-from scheduler.latency_tracker import REFIT_EVERY, LatencyTracker
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from transport.messages import Sampled, SeqChunk, StepPlan, StepResult, Timing
+from ppserve.engine.latency_profile import LENGTHS, profile_points
+from ppserve.engine.timeline import Timeline, bubble_fractions, intervals_from_trace
+from ppserve.scheduler.chunk_predictor import LatencyModel
+from ppserve.scheduler.latency_tracker import REFIT_EVERY, LatencyTracker
+from ppserve.scheduler.request import Request
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from ppserve.transport.messages import Sampled, SeqChunk, StepPlan, StepResult, Timing
 
 TRUE = LatencyModel(a=2e-9, b=2e-5, c=1e-3)  # per stage, seconds
 

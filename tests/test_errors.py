@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
-from engine.local_pipeline import LocalPipeline
-from engine.model_config import ConfigError, ModelConfig
-from engine.partition import partition_layers
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.engine.model_config import ConfigError, ModelConfig
+from ppserve.engine.partition import partition_layers
 
 
 @pytest.mark.parametrize(
@@ -194,7 +194,7 @@ def test_dtype_resolution(llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_prompt_too_long(llama_dir: Path) -> None:
-    from scheduler.sampling_params import SamplingParams
+    from ppserve.scheduler.sampling_params import SamplingParams
 
     pipe = LocalPipeline(EngineConfig.create(llama_dir, num_kv_blocks=8, max_model_len=20))
     with pytest.raises(ValueError, match="prompt has 20 tokens; the model's context length is 20"):

@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer
 
-from server.openapi import openapi_schema
-from server.responses import WsEvent
+from ppserve.server.openapi import openapi_schema
+from ppserve.server.responses import WsEvent
 
 pytestmark = pytest.mark.slow
 

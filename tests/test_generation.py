@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import pipeline, random_prompt
 
-from scheduler.block_allocator import OutOfBlocks
-from scheduler.request import FinishReason
-from scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.block_allocator import OutOfBlocks
+from ppserve.scheduler.request import FinishReason
+from ppserve.scheduler.sampling_params import SamplingParams
 
 PROMPT = random_prompt(random.Random(5), 12)
 

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 HOST = """
 import asyncio, json, os, signal, sys
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
 
 async def main():
     config = EngineConfig.create(sys.argv[1], pp_size=2, num_kv_blocks=64, threads_per_stage=1)

@@ -6,9 +6,9 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import EngineStats
-from engine.outputs import RequestOutput
-from server.metrics import ServerMetrics
+from ppserve.engine.async_engine import EngineStats
+from ppserve.engine.outputs import RequestOutput
+from ppserve.server.metrics import ServerMetrics
 
 
 def _samples(metrics: ServerMetrics) -> dict[str, float]:

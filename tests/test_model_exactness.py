@@ -11,7 +11,7 @@ from conftest import ARCHS
 from helpers import GREEDY_TOKENS, hf_greedy, pipeline, prompt_logits, random_prompt
 from transformers import AutoModelForCausalLM
 
-from scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -60,9 +60,9 @@ def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str, blo
     pipe = pipeline(checkpoints[arch], pp_size=2, block_size=block_size, num_kv_blocks=4096 // block_size)
     alone = [pipe.generate([p], GREEDY, chunk_size=4096)[0].token_ids for p in prompts]
 
-    from engine.sampler import Sampler  # the batch is driven by hand here to control chunking
-    from scheduler.request import Request
-    from transport.messages import SeqChunk
+    from ppserve.engine.sampler import Sampler  # the batch is driven by hand here to control chunking
+    from ppserve.scheduler.request import Request
+    from ppserve.transport.messages import SeqChunk
 
     sampler = Sampler(pipe.config.model_config.vocab_size, torch.device("cpu"))
     reqs = [Request(str(i), p, GREEDY) for i, p in enumerate(prompts)]

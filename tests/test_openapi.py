@@ -13,12 +13,12 @@ import pytest
 from live_server import LiveServer
 from openapi_spec_validator import validate
 
-from engine.config import EngineConfig
-from scheduler.sampling_params import SamplingParams
-from server.app import create_app
-from server.openapi import openapi_schema
-from server.protocol import ApiError
-from server.responses import ErrorResponse
+from ppserve.engine.config import EngineConfig
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.server.app import create_app
+from ppserve.server.openapi import openapi_schema
+from ppserve.server.protocol import ApiError
+from ppserve.server.responses import ErrorResponse
 
 METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import alive, pipeline, random_prompt
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import EngineConfig
-from engine.stage_pool import StageError
-from scheduler.sampling_params import SamplingParams
+from ppserve.engine.async_engine import AsyncEngine, EngineDeadError
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.stage_pool import StageError
+from ppserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

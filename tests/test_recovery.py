@@ -13,10 +13,10 @@ import pytest
 from helpers import alive
 from test_pipeline import PROMPTS, collect, engine_config, wait_until
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.stage_pool import StageError
-from scheduler.sampling_params import SamplingParams
-from transport.messages import StepResult
+from ppserve.engine.async_engine import AsyncEngine, EngineDeadError
+from ppserve.engine.stage_pool import StageError
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.messages import StepResult
 
 pytestmark = pytest.mark.slow
 
@@ -149,8 +149,8 @@ async def test_recovery_on_other_tensor_channels(llama_dir: Path, fault_free: li
 async def test_stages_send_heartbeats_while_they_load(llama_dir: Path) -> None:
     """Liveness (and the stage's own orphan check) runs from the moment a stage starts, not only
     once its model is loaded and profiled: a heartbeat arrives before each stage's StageReady."""
-    from engine.stage_pool import StagePool
-    from transport.messages import ControlMsg, Heartbeat, StageReady
+    from ppserve.engine.stage_pool import StagePool
+    from ppserve.transport.messages import ControlMsg, Heartbeat, StageReady
 
     config = engine_config(llama_dir, 2, dynamic_chunking=True)  # start-up includes a ~1-3 s profile
     pool = StagePool(config, lambda _: None, lambda _: None)

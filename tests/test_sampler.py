@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, filtered_probs
-from scheduler.sampling_params import SamplingParams
+from ppserve.engine.sampler import Sampler, filtered_probs
+from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from scheduler.request import FinishReason, Request
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from transport.messages import Sampled, StepPlan, StepResult
+from ppserve.scheduler.request import FinishReason, Request
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from ppserve.transport.messages import Sampled, StepPlan, StepResult
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

@@ -19,12 +19,12 @@ from aiohttp.http_exceptions import BadStatusLine
 from aiohttp.test_utils import make_mocked_request
 from live_server import ROOT
 
-from engine.tokenizer import Tokenizer
-from server import tokens
-from server.client_errors import quiet_client_errors
-from server.protocol import ApiError
-from server.security import bearer_token, host_allowed, origin_allowed
-from server.streams import sse_response
+from ppserve.engine.tokenizer import Tokenizer
+from ppserve.server import tokens
+from ppserve.server.client_errors import quiet_client_errors
+from ppserve.server.protocol import ApiError
+from ppserve.server.security import bearer_token, host_allowed, origin_allowed
+from ppserve.server.streams import sse_response
 
 
 class _SpyTokenizer(Tokenizer):
@@ -103,7 +103,11 @@ def test_api_key_file_errors_are_one_line(tmp_path: Path) -> None:
         (["--allowed-origins", "app.example"], "expected origins like"),
     ]:
         res = subprocess.run(
-            [sys.executable, "-m", "server.cli", "serve", *flags], cwd=ROOT, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "ppserve.server.cli", "serve", *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr

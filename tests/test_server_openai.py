@@ -24,7 +24,7 @@ def _client(server: LiveServer, api_key: str | None = None) -> openai.OpenAI:
 
 def _generate(server: LiveServer, prompt: str, *flags: str) -> str:
     """The same request through `ppserve generate` (its own stages, same model and pp size)."""
-    cmd = [sys.executable, "-m", "server.cli", "generate", "--model", server.model, "--pp-size", "2"]
+    cmd = [sys.executable, "-m", "ppserve.server.cli", "generate", "--model", server.model, "--pp-size", "2"]
     cmd += ["--kv-cache-gb", "0.02", "--prompt", prompt, "--max-tokens", str(TOKENS), "--temperature", "0", "--json"]
     out = subprocess.run([*cmd, *flags], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     return str(json.loads(out.stdout)["text"])

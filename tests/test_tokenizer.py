@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from engine.tiny_checkpoint import EOS
-from engine.tokenizer import Tokenizer
+from ppserve.engine.tiny_checkpoint import EOS
+from ppserve.engine.tokenizer import Tokenizer
 
 TEXT = "Café in Zürich 東京 🙂🚀 -> the pipeline…"
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import pipeline, prompt_logits, random_prompt
 
-import engine.weights as weights
-from engine.config import EngineConfig
-from engine.stage_runner import StageRunner
+import ppserve.engine.weights as weights
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.stage_runner import StageRunner
 
 
 def test_sharded_equals_single_file(llama_dir: Path, sharded_dir: Path) -> None:

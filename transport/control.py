@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from transport.messages import ControlMsg, Msg, decode, encode
+from ppserve.transport.messages import ControlMsg, Msg, decode, encode
 
 
 def context() -> zmq.asyncio.Context:

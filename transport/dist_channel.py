@@ -15,8 +15,8 @@ import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
-from transport.messages import EdgeHeader
-from transport.tensor_channel import ChannelSpec, TensorChannel
+from ppserve.transport.messages import EdgeHeader
+from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel
 
 
 class DistChannel(TensorChannel):

@@ -16,8 +16,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from transport.messages import EdgeHeader, encode
-from transport.tensor_channel import ChannelSpec, TensorChannel
+from ppserve.transport.messages import EdgeHeader, encode
+from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel
 
 
 class ShmChannel(TensorChannel):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import zmq.asyncio
 
-from transport.control import PullSocket, PushSocket
-from transport.messages import EdgeHeader, decode_header, encode
+from ppserve.transport.control import PullSocket, PushSocket
+from ppserve.transport.messages import EdgeHeader, decode_header, encode
 
 KINDS = ("auto", "shm", "gloo", "nccl", "zmq")
 
@@ -88,15 +88,15 @@ class TensorChannel(ABC):
 def open_channel(ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> TensorChannel:
     """One end of an edge: `sender` for rank `spec.src`, else for rank `spec.dst`."""
     if spec.kind == "shm":
-        from transport.shm_channel import ShmChannel
+        from ppserve.transport.shm_channel import ShmChannel
 
         return ShmChannel(ctx, spec, sender=sender)
     if spec.kind in ("gloo", "nccl"):
-        from transport.dist_channel import DistChannel
+        from ppserve.transport.dist_channel import DistChannel
 
         return DistChannel(ctx, spec, sender=sender)
     if spec.kind == "zmq":
-        from transport.zmq_channel import ZmqChannel
+        from ppserve.transport.zmq_channel import ZmqChannel
 
         return ZmqChannel(ctx, spec, sender=sender)
     raise ValueError(f"unknown tensor channel kind {spec.kind!r}")

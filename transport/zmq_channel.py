@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import zmq
 
-from transport.messages import EdgeHeader, encode
-from transport.tensor_channel import TensorChannel
+from ppserve.transport.messages import EdgeHeader, encode
+from ppserve.transport.tensor_channel import TensorChannel
 
 
 class ZmqChannel(TensorChannel):
