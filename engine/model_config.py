@@ -57,6 +57,8 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     dtype: str  # the checkpoint's own dtype name, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
+    # generation_config.json's `max_new_tokens`: how many tokens a request that names no limit gets.
+    max_new_tokens: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -121,6 +123,7 @@ class ModelConfig:
             sliding_windows=_parse_sliding_windows(raw, arch, num_layers),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_parse_eos(raw, generation or {}),
+            max_new_tokens=_parse_max_new_tokens(generation or {}),
         )
 
 
@@ -187,6 +190,15 @@ def _parse_sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> t
         else:
             raise ConfigError(f"config.json: layer type {kind!r} (sliding_window={window!r}) is not supported")
     return tuple(windows)
+
+
+def _parse_max_new_tokens(generation: dict[str, Any]) -> int | None:
+    value = generation.get("max_new_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"generation_config.json: max_new_tokens must be a positive integer, got {value!r}")
+    return value
 
 
 def _parse_eos(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
@@ -120,7 +122,8 @@ class StagePool:
         proc = mp.get_context("spawn").Process(
             target=stage_main, args=(launch,), name=f"ppserve-stage-{stage}", daemon=True
         )
-        proc.start()
+        with _sigint_blocked():
+            proc.start()
         self._reported.discard(proc.pid or 0)  # a pid the OS reused from a process reported before
         if stage < len(self.procs):
             self.procs[stage] = proc
@@ -310,3 +313,19 @@ class StagePool:
             sock.close()
         self.ctx.term()
         self.addresses.cleanup()
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT while a stage process is spawned. Ctrl-C reaches the whole process group;
+    the child inherits the blocked signal, so a stage interrupted while it still imports torch
+    prints no KeyboardInterrupt traceback (the host decides when stages stop). In this process
+    a Ctrl-C that comes meanwhile stays pending and is delivered when the block ends."""
+    # Starting multiprocessing's resource tracker (which spawning does on first use) unblocks
+    # SIGINT when it is done, so it is started before the block.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

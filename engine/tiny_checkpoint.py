@@ -52,6 +52,7 @@ class TinySpec:
     max_shard_size: str | None = None  # e.g. "200KB" to write several shards
     init_std: float = 0.1  # larger than transformers' 0.02 so logits are well separated
     overrides: tuple[tuple[str, object], ...] = ()  # extra config.json fields, e.g. (("attention_bias", True),)
+    max_new_tokens: int | None = None  # written to generation_config.json when set
 
 
 def corpus(seed: int, sentences: int = 2000) -> list[str]:
@@ -149,8 +150,9 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Pa
                 p.normal_(0.0, spec.init_std)
     save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(out, **save_kwargs)
+    generation = {"max_new_tokens": spec.max_new_tokens} if spec.max_new_tokens else {}
     GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False, **generation
     ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

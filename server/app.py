@@ -94,20 +94,23 @@ class ServerState:
                 field_name,
             )
 
-    def max_tokens(self, prompt_ids: Sequence[int], requested: int | None, field_name: str = "max_tokens") -> int:
-        """`requested`, or all the context that is left; a request that cannot fit is a 400."""
+    def max_tokens(
+        self, ids: Sequence[int], requested: int | None, field_name: str = "max_tokens", default: int | None = None
+    ) -> int:
+        """`requested`; if None, the model's generation_config.json `max_new_tokens`, else the
+        endpoint's `default`, else all the context that is left (a default never exceeds what is
+        left). A request that cannot fit is a 400."""
         limit = self.config.max_model_len
-        room = limit - len(prompt_ids)
+        room = limit - len(ids)
         if room < 1:
-            raise ApiError(
-                400, f"the prompt has {len(prompt_ids)} tokens; this model's context length is {limit}", "prompt"
-            )
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context length is {limit}", "prompt")
         if requested is None:
-            return room
+            fallback = self.config.model_config.max_new_tokens or default
+            return room if fallback is None else min(room, fallback)
         if requested > room:
             raise ApiError(
                 400,
-                f"{field_name} is {requested} but the prompt has {len(prompt_ids)} tokens and this model's "
+                f"{field_name} is {requested} but the prompt has {len(ids)} tokens and this model's "
                 f"context length is {limit}, which leaves {room}",
                 field_name,
             )

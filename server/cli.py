@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model_config import ConfigError
+from ppserve.server.listen import listen
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from ppserve.server.app import ServerOptions
 
 EXIT_USAGE = 2
+GENERATE_MAX_TOKENS = 64  # `ppserve generate` without --max-tokens, for a model with no default of its own
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,7 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
     source.add_argument("--prompts-file", help="one prompt per line, generated as one batch ('-' reads stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: the model's generation_config.json max_new_tokens, else "
+        f"{GENERATE_MAX_TOKENS})",
+    )
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -205,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (RuntimeError, OSError) as e:  # a stage failed to start, the port is taken, ...
         print(f"ppserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the event loop took over the signal
+        print(f"ppserve {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
 
 
@@ -236,8 +246,12 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
 def _generate(args: argparse.Namespace) -> None:
     from ppserve.scheduler.sampling_params import SamplingParams
 
+    config = _engine_config(args, args.model)
+    max_tokens = args.max_tokens
+    if max_tokens is None:
+        max_tokens = config.model_config.max_new_tokens or GENERATE_MAX_TOKENS
     params = SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -249,7 +263,6 @@ def _generate(args: argparse.Namespace) -> None:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    config = _engine_config(args, args.model)
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt")
     if args.prompts_file is not None:
@@ -305,19 +318,29 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
 
 
 def _serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before loading anything: a bad key file or a port in use fails in a moment, not after the
+    # stages start.
+    api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    sockets = listen(args.host, args.port)
+    try:
+        _serve_on(args, api_key, sockets)
+    finally:
+        for sock in sockets:  # aiohttp closes those it served on; this is for a failed start
+            sock.close()
+
+
+def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socket.socket]) -> None:
     from ppserve.server.app import ServerOptions
     from ppserve.server.demo import demo_checkpoint
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Before loading anything: a bad key file fails in a moment, not after the stages start.
-    api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     model = args.model
     if model is None:
         print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
         model = str(demo_checkpoint())
     config = _engine_config(args, model, args.max_waiting_requests)
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or (args.model or "ppserve-demo"),
@@ -325,10 +348,10 @@ def _serve(args: argparse.Namespace) -> None:
         host=args.host,
         allowed_origins=args.allowed_origins,
     )
-    _run(_serve_until_stopped(config, options, args.host, args.port))
+    _run(_serve_until_stopped(config, options, sockets))
 
 
-async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, host: str, port: int) -> None:
+async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, sockets: list[socket.socket]) -> None:
     """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
     from aiohttp import web
 
@@ -352,11 +375,12 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
             setup.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await setup
+            print("ppserve: start-up interrupted", flush=True)
             return
         stopped.cancel()
         setup.result()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
         for addr in runner.addresses:
             h, p = addr[0], addr[1]
             url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"

@@ -23,8 +23,11 @@ DEMO_SPEC = TinySpec(
     vocab_size=2048,
     max_position_embeddings=4096,
     seed=2024,
+    # Random weights rarely sample EOS: without a default, a request that names no limit runs to
+    # the end of the context.
+    max_new_tokens=128,
 )
-DEMO_NAME = "demo-llama-v1"  # bump when DEMO_SPEC or the checkpoint writer changes
+DEMO_NAME = "demo-llama-v2"  # bump when DEMO_SPEC or the checkpoint writer changes
 
 
 def cache_dir() -> Path:

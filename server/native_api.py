@@ -27,7 +27,16 @@ from aiohttp import WSMsgType, web
 
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server.app import STATE, ServerState
-from ppserve.server.protocol import MAX_ID_CHARS, ApiError, GenerateRequest, WsCancel, WsGenerate, WsMessage, decode
+from ppserve.server.protocol import (
+    DEFAULT_MAX_TOKENS,
+    MAX_ID_CHARS,
+    ApiError,
+    GenerateRequest,
+    WsCancel,
+    WsGenerate,
+    WsMessage,
+    decode,
+)
 from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
 
 log = logging.getLogger("ppserve.server")
@@ -40,8 +49,7 @@ def add_routes(app: web.Application) -> None:
 
 async def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Stream:
     ids = await state.encode(body.prompt(), "text")
-    params = body.params()
-    state.max_tokens(ids, params.max_tokens)  # the request must fit the context
+    params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=DEFAULT_MAX_TOKENS))
     return state.submit(ids, params, request_id)
 
 

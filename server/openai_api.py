@@ -22,7 +22,7 @@ from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens
 from ppserve.server.app import STATE, ServerState
-from ppserve.server.protocol import ChatRequest, CompletionRequest, decode
+from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, decode
 from ppserve.server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
@@ -84,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     for prompt in prompts:
         ids = await state.encode(prompt)
-        params = body.sampling_params(state.max_tokens(ids, body.max_tokens), body.logprobs)
+        params = body.sampling_params(state.max_tokens(ids, body.max_tokens, default=DEFAULT_MAX_TOKENS), body.logprobs)
         streams += _choices(state, ids, params, body.n, rid, len(streams))
         text = ""  # echo only: decoding a long token-id prompt is not free
         if body.echo:

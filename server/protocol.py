@@ -27,6 +27,16 @@ MAX_ID_CHARS = 256  # websocket request ids are echoed in every event: keep them
 NonNegInt32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]  # token ids, top_k
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 TokenCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+# A limit the request may leave out: then the model's own default applies (ServerState.max_tokens),
+# or this one (OpenAI's for completions), or for chat the rest of the context.
+DEFAULT_MAX_TOKENS = 16
+MaxTokens = Annotated[
+    TokenCount | None,
+    msgspec.Meta(
+        description="default: the model's generation_config.json max_new_tokens if it has one, else "
+        f"{DEFAULT_MAX_TOKENS} (chat: the rest of the context); never more than the context leaves"
+    ),
+]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
@@ -121,7 +131,7 @@ class _OpenAIRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by `prompts()`
-    max_tokens: TokenCount | None = 16
+    max_tokens: MaxTokens = None
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
@@ -170,8 +180,8 @@ class ChatMessage(msgspec.Struct):
 
 class ChatRequest(_OpenAIRequest, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
@@ -195,7 +205,7 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
 
 
 class NativeSampling(_Sampling, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: TokenCount = 16
+    max_tokens: MaxTokens = None
     logprobs: NumLogprobs | None = None
 
 
@@ -217,9 +227,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check_ids(prompt, "input_ids")
         return prompt
 
-    def params(self) -> SamplingParams:
-        sp = self.sampling_params
-        return sp.sampling_params(sp.max_tokens, sp.logprobs)
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The sampling parameters, with `max_tokens` resolved by the server (see MaxTokens)."""
+        return self.sampling_params.sampling_params(max_tokens, self.sampling_params.logprobs)
 
 
 class WsGenerate(GenerateRequest, tag="generate", kw_only=True, forbid_unknown_fields=True):

@@ -23,6 +23,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The live multiprocessing (spawn) children of `pid`: its stage processes."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):  # not a process, or it ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
 def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
     return [rng.randrange(6, vocab) for _ in range(length)]  # skip the special tokens
 

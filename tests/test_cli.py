@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import pipeline
+from helpers import alive, pipeline, spawned_children
 from live_server import ROOT, LiveServer
 
 from ppserve.engine.tokenizer import Tokenizer
@@ -155,7 +157,41 @@ def test_serve_bad_flags(llama_dir: Path) -> None:
         taken.listen()
         port = str(taken.getsockname()[1])
         res = run_cli("serve", "--model", str(llama_dir), "--kv-cache-gb", "0.02", "--port", port)
-    assert res.returncode == 1 and "address already in use" in res.stderr.lower(), res.stderr
+        assert res.returncode == 1 and "address already in use" in res.stderr.lower(), res.stderr
+        assert f"cannot listen on 127.0.0.1 port {port}" in res.stderr
+        # The port is checked before the model is even read: a missing model is not what fails.
+        res = run_cli("serve", "--model", str(llama_dir / "missing"), "--port", port)
+        assert res.returncode == 1 and "address already in use" in res.stderr.lower(), res.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_stages_start_prints_one_line(llama_dir: Path) -> None:
+    """Ctrl-C reaches the whole process group, stage processes included, while they still
+    import torch; the user sees one line from the server and no traceback."""
+    cmd = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(llama_dir), "--pp-size", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--kv-cache-gb", "0.02", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives it
+    )
+    try:
+        stages: list[int] = []
+        while len(stages) < 2 and proc.poll() is None:
+            stages = spawned_children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert len(stages) == 2, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode in (0, 130), err
+    last = (out + err).strip().splitlines()[-1]
+    assert last in ("ppserve: start-up interrupted", "ppserve: shutting down", "ppserve serve: interrupted"), out + err
+    assert not any(alive(pid) for pid in stages)
 
 
 @pytest.mark.slow
