@@ -20,7 +20,8 @@ def listen(host: str, port: int, backlog: int = 128) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     seen: set[tuple[int, str]] = set()
     try:
-        for family, type_, proto, _, addr in infos:
+        for family, type_, proto, _, sockaddr in infos:
+            addr = (str(sockaddr[0]), int(sockaddr[1]), *sockaddr[2:])  # IPv6 adds flow info and scope
             if (family, addr[0]) in seen:
                 continue
             seen.add((family, addr[0]))
