@@ -12,6 +12,8 @@ import openai
 import pytest
 from live_server import LiveServer
 
+from ppserve.server.demo import DEMO_NAME
+
 pytestmark = pytest.mark.slow
 
 COMP = "/v1/completions"
@@ -122,4 +124,4 @@ def test_demo_model_is_built_once_and_served(tmp_path: Path, monkeypatch: pytest
         assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
     finally:
         assert server.stop() == 0
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-llama-v1"]  # no temporary leftovers
+    assert [p.name for p in tmp_path.iterdir()] == [DEMO_NAME]  # no temporary leftovers
