@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument(
+        "--no-playground",
+        dest="playground",
+        action="store_false",
+        help="do not serve the playground page (chat and live pipeline view) at /",
+    )
+    serve.add_argument(
         "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
     )
     serve.add_argument(
@@ -324,6 +330,7 @@ def _serve(args: argparse.Namespace) -> None:
         api_key=api_key or os.environ.get("PPSERVE_API_KEY") or None,
         host=args.host,
         allowed_origins=args.allowed_origins,
+        playground=args.playground,
     )
     _run(_serve_until_stopped(config, options, args.host, args.port))
 
@@ -366,6 +373,8 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, hos
                 + synthetic,
                 flush=True,
             )
+            if options.playground:
+                print(f"ppserve: playground at {url}/", flush=True)
         await stop.wait()
         print("ppserve: shutting down", flush=True)
     finally:
