@@ -55,6 +55,26 @@ class Timeline:
     def since(self, start: float) -> list[Interval]:
         return [i for i in self.intervals if i.end > start]
 
+    def recent(self, start: float, limit: int) -> list[Interval]:
+        """The newest `limit` intervals that end after `start`, oldest first, without a walk
+        through the whole history. A stage computes its micro-batches in order and their results
+        arrive in that order, so each stage's intervals end later the newer they are: once the
+        walk from the newest has met, for every stage, one that ended by `start`, all older ones
+        did too."""
+        found: list[Interval] = []
+        done: set[int] = set()  # stages met at or before `start`
+        for i in reversed(self.intervals):
+            if i.end > start:
+                found.append(i)
+                if len(found) == limit:
+                    break
+            else:
+                done.add(i.stage)
+                if len(done) == self.pp_size:
+                    break
+        found.reverse()
+        return found
+
     def busy_fractions(self, since: float, now: float) -> tuple[float, ...]:
         """Per stage: compute time inside [since, now] over the length of that window."""
         busy = [0.0] * self.pp_size

@@ -6,8 +6,9 @@
 (handler_cancellation: a client that disconnects cancels its handler, which aborts its request.)
 
 The engine starts with the app (`cleanup_ctx`) and stops with it. Handlers live in
-`openai_api.py` (OpenAI-compatible) and `native_api.py` (/generate, /ws); what they share
-(turning a request into an engine stream, with metrics) is `ServerState.submit`.
+`openai_api.py` (OpenAI-compatible), `native_api.py` (/generate, /ws) and `playground.py` (the
+page at / and the /debug/pipeline it polls); what they share (turning a request into an engine
+stream, with metrics) is `ServerState.submit`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from aiohttp import web
 
@@ -33,7 +35,9 @@ from ppserve.server.security import bearer_token, browser_checks
 from ppserve.server.streams import as_api_error
 
 log = logging.getLogger("ppserve.server")
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # no API key needed (probes, scrapers, docs)
+# No API key needed: probes, scrapers, docs, and the playground page (it holds no secrets; what it
+# fetches needs the key).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class ServerOptions:
     # (DNS rebinding). None: not known here, Host is not checked.
     host: str | None = None
     allowed_origins: tuple[str, ...] = ()  # websocket Origins besides the server's own; "*": all
+    playground: bool = True  # serve the playground page at /
 
 
 @dataclass
@@ -63,6 +68,22 @@ class ServerState:
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    def key_matches(self, given: bytes) -> bool:
+        """Whether `given` is the API key (always, if the server has none). Constant-time, so
+        response timing says nothing about the key; bytes, so any header or JSON string (even
+        one with lone surrogates, through "surrogatepass") compares unequal rather than crash."""
+        key = self.options.api_key
+        return not key or hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
+
+    def health(self) -> tuple[Literal["ok", "recovering", "unhealthy"], str | None]:
+        """The status word of /health, and why it is unhealthy."""
+        engine = self.engine
+        if engine is not None and engine.recovering and not self.shutting_down:
+            return "recovering", None
+        if engine is not None and engine.healthy and not self.shutting_down:
+            return "ok", None
+        return "unhealthy", "shutting down" if self.shutting_down else str(engine.error if engine else "starting")
 
     @property
     def ready(self) -> AsyncEngine:
@@ -137,7 +158,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from ppserve.server import native_api, openai_api, openapi
+    from ppserve.server import native_api, openai_api, openapi, playground
 
     options = options or ServerOptions()
     quiet_client_errors()
@@ -153,6 +174,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     openai_api.add_routes(app)
     native_api.add_routes(app)
     openapi.add_routes(app)
+    playground.add_routes(app, page=options.playground)
     return app
 
 
@@ -204,26 +226,33 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[STATE].options.api_key
-    if key and request.path not in OPEN_PATHS:
-        given = bearer_token(request.headers.get("Authorization", ""))
-        # Constant-time compare, so response timing says nothing about the key.
-        if not hmac.compare_digest(given, key.encode("utf-8", "surrogatepass")):
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+    if request.path in OPEN_PATHS or _browser_websocket(request):
+        return await handler(request)
+    if not request.app[STATE].key_matches(bearer_token(request.headers.get("Authorization", ""))):
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
     return await handler(request)
 
 
+def _browser_websocket(request: web.Request) -> bool:
+    """A websocket upgrade without an Authorization header, as a browser makes it (it cannot set
+    headers on one): let in, it sends the key as its first message (see native_api.py). A
+    header that is there but wrong is a 401 as anywhere else."""
+    return (
+        request.path == "/ws"
+        and "Authorization" not in request.headers
+        and request.headers.get("Upgrade", "").lower() == "websocket"
+    )
+
+
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    engine = state.engine
-    if engine is not None and engine.recovering and not state.shutting_down:
+    status, error = request.app[STATE].health()
+    if status == "recovering":
         # A failed stage is being replaced: requests wait rather than fail, but a load balancer
         # should send new ones elsewhere for now.
-        return web.json_response({"status": "recovering"}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-    if engine is not None and engine.healthy and not state.shutting_down:
-        return web.json_response({"status": "ok"})
-    reason = "shutting down" if state.shutting_down else str(engine.error if engine else "starting")
-    return web.json_response({"status": "unhealthy", "error": reason}, status=503)
+        return web.json_response({"status": status}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if status == "ok":
+        return web.json_response({"status": status})
+    return web.json_response({"status": status, "error": error}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

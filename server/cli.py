@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument(
+        "--no-playground",
+        dest="playground",
+        action="store_false",
+        help="do not serve the playground page (chat and live pipeline view) at /",
+    )
+    serve.add_argument(
         "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
     )
     serve.add_argument(
@@ -347,6 +353,7 @@ def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socke
         api_key=api_key or os.environ.get("PPSERVE_API_KEY") or None,
         host=args.host,
         allowed_origins=args.allowed_origins,
+        playground=args.playground,
     )
     _run(_serve_until_stopped(config, options, sockets))
 
@@ -390,6 +397,8 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
                 + synthetic,
                 flush=True,
             )
+            if options.playground:
+                print(f"ppserve: playground at {url}/", flush=True)
         await stop.wait()
         print("ppserve: shutting down", flush=True)
     finally:

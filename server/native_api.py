@@ -3,13 +3,23 @@ a websocket that streams several requests at once.
 
 Websocket protocol (JSON text messages):
     -> {"type": "generate", "id": "a", "text": "Hello", "sampling_params": {"max_tokens": 8}}
+    -> {"type": "chat", "id": "b", "messages": [{"role": "user", "content": "Hi"}], "sampling_params": {...}}
     -> {"type": "cancel", "id": "a"}
+    -> {"type": "auth", "api_key": "..."}
     <- {"type": "token", "id": "a", "token_id": 42, "text": " world"}   one per generated token
     <- {"type": "done", "id": "a", "finish_reason": "length", "usage": {...}}
     <- {"type": "error", "id": "a" | null, "message": "..."}            the socket stays open
-`text` of a token event is the text that token completes; it is "" while a multi-byte
-character or a possible stop string is still incomplete. Ids are 1 to 256 characters (each
-event repeats its id).
+    <- {"type": "auth_ok"}
+`chat` renders its messages with the model's chat template, as /v1/chat/completions does, and
+streams like `generate`. `text` of a token event is the text that token completes; it is ""
+while a multi-byte character or a possible stop string is still incomplete. Ids are 1 to 256
+characters (each request's events repeat its id).
+
+Authentication: with an API key, a client sends it as `Authorization: Bearer <key>` on the
+upgrade, or, if it cannot set headers (a browser), as its first message, `auth`. A socket
+opened without the header must send `auth` with the right key within AUTH_TIMEOUT_S and before
+anything else; otherwise it gets an error event and is closed with code 4401. An `auth` on a
+socket already authenticated (or on a server without a key) is answered `auth_ok` again.
 """
 
 from __future__ import annotations
@@ -26,20 +36,29 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ppserve.engine.outputs import RequestOutput
+from ppserve.server import tokens
 from ppserve.server.app import STATE, ServerState
 from ppserve.server.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_ID_CHARS,
     ApiError,
     GenerateRequest,
+    WsAuth,
     WsCancel,
-    WsGenerate,
-    WsMessage,
+    WsChat,
     decode,
+    decode_ws,
 )
+from ppserve.server.security import bearer_token
 from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
 
 log = logging.getLogger("ppserve.server")
+AUTH_TIMEOUT_S = 10.0  # a socket without the key is closed this soon, so none is held open without it
+UNAUTHORIZED = 4401  # close code: the application range (4000-4999), with HTTP's 401 in it
+AUTH_ERROR = (
+    'missing or wrong API key (send {"type": "auth", "api_key": "<key>"} as the first message, '
+    f"within {AUTH_TIMEOUT_S:.0f} s, or the header 'Authorization: Bearer <key>')"
+)
 
 
 def add_routes(app: web.Application) -> None:
@@ -47,9 +66,14 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ws", websocket)
 
 
-async def _submit(state: ServerState, body: GenerateRequest, request_id: str) -> Stream:
-    ids = await state.encode(body.prompt(), "text")
-    params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=DEFAULT_MAX_TOKENS))
+async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id: str) -> Stream:
+    default: int | None = DEFAULT_MAX_TOKENS
+    if isinstance(body, WsChat):
+        ids = await tokens.encode_chat(state.ready.tokenizer, body.chat_messages(), True, state.config.max_model_len)
+        default = None  # as /v1/chat/completions: the rest of the context
+    else:
+        ids = await state.encode(body.prompt(), "text")
+    params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=default))
     return state.submit(ids, params, request_id)
 
 
@@ -124,11 +148,39 @@ class _Socket:
             log.exception("websocket message failed")
             await self.error(f"internal error: {e}", _peek_id(data))
 
+    async def authenticate(self) -> bool:
+        """Wait for the first message, which must be `auth` with the right key; anything else,
+        or nothing within AUTH_TIMEOUT_S, gets an error event and closes the socket."""
+        try:
+            message = await self.ws.receive(timeout=AUTH_TIMEOUT_S)
+        except TimeoutError:
+            message = None
+        if message is not None and message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+            return False  # the client closed the socket, or the server is shutting down
+        if message is not None and message.type == WSMsgType.TEXT and self._carries_key(message.data):
+            await self.send({"type": "auth_ok"})
+            return True
+        await self.error(AUTH_ERROR, None)
+        await self.ws.close(code=UNAUTHORIZED, message=b"missing or wrong API key")
+        return False
+
+    def _carries_key(self, data: str) -> bool:
+        try:
+            msg = decode_ws(data)  # the union, so that the "type" tag must be there
+        except ApiError:
+            return False
+        # Compared exactly as the Authorization header is (the header's token is stripped of
+        # its framing whitespace; a JSON string has none).
+        return isinstance(msg, WsAuth) and self.state.key_matches(msg.api_key.encode("utf-8", "surrogatepass"))
+
     async def _handle(self, data: str) -> None:
         try:
-            msg: WsGenerate | WsCancel = decode(data, WsMessage)  # type: ignore[arg-type]
+            msg = decode_ws(data)
         except ApiError as e:
             await self.error(e.message, _peek_id(data))
+            return
+        if isinstance(msg, WsAuth):
+            await self.send({"type": "auth_ok"})  # this socket is authenticated already
             return
         if isinstance(msg, WsCancel):
             task = self.tasks.get(msg.id)
@@ -145,7 +197,7 @@ class _Socket:
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
-        task = asyncio.create_task(self.run(msg, stream))
+        task = asyncio.create_task(self.run(msg.id, stream))
         self.tasks[msg.id] = task
         task.add_done_callback(lambda t: self._ended(msg.id, t))
 
@@ -160,7 +212,7 @@ class _Socket:
             self.notices.add(notice)
             notice.add_done_callback(self.notices.discard)
 
-    async def run(self, msg: WsGenerate, stream: Stream) -> None:
+    async def run(self, rid: str, stream: Stream) -> None:
         usage = _usage(None)
         finished = False
         try:
@@ -169,22 +221,20 @@ class _Socket:
                     usage = _usage(out)
                     for k, token_id in enumerate(out.token_ids):
                         text = out.text if k == len(out.token_ids) - 1 else ""
-                        event: dict[str, Any] = {"type": "token", "id": msg.id, "token_id": token_id, "text": text}
+                        event: dict[str, Any] = {"type": "token", "id": rid, "token_id": token_id, "text": text}
                         if out.logprobs is not None:
                             event["logprob"] = out.logprobs[k].logprob
                         await self.send(event)
                     if out.finished:
                         finished = True
-                        await self.send(
-                            {"type": "done", "id": msg.id, "finish_reason": out.finish_reason, "usage": usage}
-                        )
+                        await self.send({"type": "done", "id": rid, "finish_reason": out.finish_reason, "usage": usage})
         except asyncio.CancelledError:
             # Cancelled by the client (or the socket closed): the stream is closed, so the engine
             # has aborted the request and freed its KV blocks.
             if not finished:
-                await self.send({"type": "done", "id": msg.id, "finish_reason": "abort", "usage": usage})
+                await self.send({"type": "done", "id": rid, "finish_reason": "abort", "usage": usage})
         except Exception as e:
-            await self.error(f"the request failed: {e}", msg.id)
+            await self.error(f"the request failed: {e}", rid)
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
@@ -200,11 +250,13 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     state.websockets.add(ws)
     sock = _Socket(state, ws)
     try:
-        async for message in ws:
-            if message.type == WSMsgType.TEXT:
-                await sock.handle(message.data)
-            elif message.type == WSMsgType.BINARY:
-                await sock.error("send JSON as text messages", None)
+        # Without the header (let in by the auth middleware), the key must come first.
+        if state.key_matches(bearer_token(request.headers.get("Authorization", ""))) or await sock.authenticate():
+            async for message in ws:
+                if message.type == WSMsgType.TEXT:
+                    await sock.handle(message.data)
+                elif message.type == WSMsgType.BINARY:
+                    await sock.error("send JSON as text messages", None)
     finally:
         await sock.close()
         state.websockets.discard(ws)

@@ -29,6 +29,7 @@ from ppserve.server.responses import (
     GenerateResult,
     Health,
     ModelList,
+    PipelineView,
     WsEvent,
 )
 
@@ -102,9 +103,13 @@ def _op(
     return op
 
 
-_WS = """JSON text messages. The client sends WsMessage (`generate` with an id it chooses, unique among its
-open requests, or `cancel`); the server answers WsEvent: `token` events, then one `done` (finish_reason
-`abort` after a cancel), or an `error`. The socket stays open after errors."""
+_WS = """JSON text messages. The client sends WsMessage (`generate` or `chat` with an id it chooses, unique
+among its open requests, or `cancel`); the server answers WsEvent: `token` events, then one `done`
+(finish_reason `abort` after a cancel), or an `error`. The socket stays open after errors. `chat` renders
+its messages with the model's chat template, as /v1/chat/completions does. A client that cannot send
+the Authorization header (a browser) opens the socket without it and sends `auth` with the key as its
+first message, answered `auth_ok`; a wrong key, another first message, or none within 10 s gets an
+`error` and the close code 4401."""
 _WS_MESSAGES = {"client": {"$ref": REF.format(name="WsMessage")}, "server": {"$ref": REF.format(name="WsEvent")}}
 OPEN: dict[str, Any] = {"security": []}  # no API key needed
 
@@ -185,6 +190,29 @@ def _paths() -> dict[str, Any]:
                 extra=OPEN,
             )
         },
+        "/debug/pipeline": {
+            "get": _op(
+                "pipeline",
+                "operations",
+                "What the playground draws: health, queue, KV cache, stage busy shares and recent compute intervals",
+                {
+                    "200": _json("PipelineView", "the pipeline now"),
+                    "400": _json("ErrorResponse", "`since` is not a number"),
+                    **_errors(401, 503),
+                },
+                extra={"parameters": [_SINCE]},
+            )
+        },
+        "/": {
+            "get": _op(
+                "playground",
+                "operations",
+                "The playground: a page to chat with the model and watch the pipeline (no API key needed to load "
+                "it; absent with --no-playground)",
+                {"200": _text("text/html", "the page", {"type": "string"})},
+                extra=OPEN,
+            )
+        },
         "/debug/timeline": {
             "get": _op(
                 "timeline",
@@ -203,6 +231,17 @@ def _paths() -> dict[str, Any]:
             )
         },
     }
+
+
+_SINCE = {
+    "name": "since",
+    "in": "query",
+    "required": False,
+    "description": "only intervals that ended after this time (seconds since the epoch); absent: all kept. Ask "
+    "with the smallest, over the stages, of the newest `end` seen per stage, and drop what is not newer per "
+    "stage: each stage's intervals arrive in the order they ran, so nothing is missed",
+    "schema": {"type": "number"},
+}
 
 
 def _text(media_type: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -250,14 +289,14 @@ def _components() -> dict[str, Any]:
     responses: list[Any] = [
         ErrorResponse,
         *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
-        *(GenerateResult, GenerateChunk, Health, ChromeTrace),
+        *(GenerateResult, GenerateChunk, Health, ChromeTrace, PipelineView),
     ]
     (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
         [*requests, *responses, WsMessage, WsEvent], ref_template=REF
     )
     schemas["WsMessage"] = ws_message  # the unions have no name of their own
     schemas["WsEvent"] = ws_event
-    bodies = ("CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsCancel")
+    bodies = ("CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth")
     for name in (*bodies, "NativeSampling"):
         for field, prop in schemas[name]["properties"].items():
             _limit(prop, _LIMITS.get(field, {}))
@@ -339,7 +378,8 @@ def _build() -> dict[str, Any]:
             "description": "Pipeline-parallel LLM serving: an OpenAI-compatible API, a native /generate, "
             "and a websocket. Errors are ErrorResponse, with the field at fault in `param`. "
             "A server started with an API key wants `Authorization: Bearer <key>` on every "
-            "operation but /health, /metrics and /openapi.json.",
+            "operation but /, /health, /metrics and /openapi.json (the websocket also takes the key "
+            "as its first message).",
         },
         "paths": _paths(),
         "components": {

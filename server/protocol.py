@@ -208,6 +208,10 @@ class NativeSampling(_Sampling, kw_only=True, forbid_unknown_fields=True):
     max_tokens: MaxTokens = None
     logprobs: NumLogprobs | None = None
 
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The sampling parameters, with `max_tokens` resolved by the server (see MaxTokens)."""
+        return self.sampling_params(max_tokens, self.logprobs)
+
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """POST /generate and the websocket's `generate` message."""
@@ -228,19 +232,40 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return prompt
 
     def params(self, max_tokens: int) -> SamplingParams:
-        """The sampling parameters, with `max_tokens` resolved by the server (see MaxTokens)."""
-        return self.sampling_params.sampling_params(max_tokens, self.sampling_params.logprobs)
+        return self.sampling_params.params(max_tokens)
 
 
 class WsGenerate(GenerateRequest, tag="generate", kw_only=True, forbid_unknown_fields=True):
     id: RequestId
 
 
+class WsChat(msgspec.Struct, tag="chat", kw_only=True, forbid_unknown_fields=True):
+    """A conversation, rendered with the chat template as /v1/chat/completions renders it."""
+
+    id: RequestId
+    messages: list[ChatMessage]
+    sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return self.sampling_params.params(max_tokens)
+
+
 class WsCancel(msgspec.Struct, tag="cancel", kw_only=True, forbid_unknown_fields=True):
     id: RequestId
 
 
-WsMessage = WsGenerate | WsCancel
+class WsAuth(msgspec.Struct, tag="auth", kw_only=True, forbid_unknown_fields=True):
+    """The API key, from a client that could not send it as a header (a browser)."""
+
+    api_key: str
+
+
+WsMessage = WsGenerate | WsChat | WsCancel | WsAuth
 _FIELD = re.compile(r" - at `\$\.?([A-Za-z_][\w.\[\]]*)`$")
 
 
@@ -262,6 +287,12 @@ def decode(body: bytes | str, type_: type[T]) -> T:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the JSON is nested too deeply") from None
+
+
+def decode_ws(data: str) -> WsGenerate | WsChat | WsCancel | WsAuth:
+    """A websocket message (`decode` of the tagged union, which mypy does not take for a type)."""
+    message: WsGenerate | WsChat | WsCancel | WsAuth = decode(data, WsMessage)  # type: ignore[arg-type]
+    return message
 
 
 def invalid(message: str) -> ApiError:

@@ -185,6 +185,34 @@ class ChromeTrace(msgspec.Struct):
     displayTimeUnit: str
 
 
+class PipelineInterval(msgspec.Struct):
+    """One stage computing one micro-batch."""
+
+    stage: int
+    mb_id: int
+    kind: Literal["prefill", "decode", "mixed", "unknown"]
+    tokens: int  # new tokens in the micro-batch
+    prefix: int  # tokens cached before its longest prefill chunk; 0 for decodes
+    start: float  # seconds since the epoch, the stage's clock
+    end: float
+
+
+class PipelineView(msgspec.Struct):
+    """GET /debug/pipeline: what the playground page draws, in one poll."""
+
+    time: float  # the server's clock (seconds since the epoch): the right edge of the view
+    model: str
+    pp_size: int
+    status: Literal["ok", "recovering", "unhealthy"]  # as /health says it
+    error: str | None  # why it is unhealthy
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    stage_busy: list[float]  # per stage: share of the last 10 s spent computing
+    intervals: list[PipelineInterval]  # those that ended after `since`, oldest first (the newest 2000)
+
+
 class WsToken(msgspec.Struct, tag="token"):
     """One generated token; `text` is what it completes ("" while a character is incomplete)."""
 
@@ -209,4 +237,8 @@ class WsError(msgspec.Struct, tag="error"):
     message: str
 
 
-WsEvent = WsToken | WsDone | WsError
+class WsAuthOk(msgspec.Struct, tag="auth_ok"):
+    """The `auth` message carried the key (or none was needed): requests may follow."""
+
+
+WsEvent = WsToken | WsDone | WsError | WsAuthOk

@@ -130,12 +130,13 @@ def test_missing_model_dir(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_serve_flags(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--served-model-name, --max-model-len, --log-level and the PPSERVE_API_KEY variable."""
+    """--served-model-name, --max-model-len, --log-level, --no-playground and the PPSERVE_API_KEY variable."""
     monkeypatch.setenv("PPSERVE_API_KEY", "from-env")
-    server = LiveServer(
-        llama_dir, "--served-model-name", "tiny", "--max-model-len", "64", "--log-level", "warning", api_key=None
-    )
+    flags = ["--served-model-name", "tiny", "--max-model-len", "64", "--log-level", "warning", "--no-playground"]
+    server = LiveServer(llama_dir, *flags, api_key=None)
     try:
+        code, _, raw = server.request("GET", "/", headers={"Authorization": "Bearer from-env"})
+        assert code == 404 and json.loads(raw)["error"]["code"] == 404  # no page: the route is not there
         assert server.request("GET", "/v1/models")[0] == 401
         code, _, raw = server.request("GET", "/v1/models", headers={"Authorization": "Bearer from-env"})
         card = json.loads(raw)["data"][0]

@@ -243,7 +243,7 @@ class Socket:
             assert reply.type == aiohttp.WSMsgType.TEXT, f"the socket closed after {message!r}: {reply}"
             event = json.loads(reply.data)
             msgspec.convert(event, WsEvent)  # as documented
-            assert event["id"] == expected_id, f"{event} answers {message!r}?"
+            assert event.get("id") == expected_id, f"{event} answers {message!r}?"  # auth_ok has none
             events.append(event)
             if event["type"] != "token":
                 return events

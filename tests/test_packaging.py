@@ -73,6 +73,7 @@ def test_wheel_holds_only_ppserve(wheel: Path) -> None:
     assert {name.split("/")[0] for name in names} == {"ppserve", dist_info}
     for pkg in ("engine", "scheduler", "transport", "server"):
         assert f"ppserve/{pkg}/__init__.py" in names
+    assert "ppserve/server/playground.html" in names  # package data: the page at /
     assert "ppserve = ppserve.server.cli:main" in archive.read(f"{dist_info}/entry_points.txt").decode()
 
 
