@@ -67,10 +67,14 @@ class Tokenizer:
         # The template writes its own special tokens (BOS included), so don't add them twice.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (what `apply_chat_template` tokenizes), so a
         caller can look at its length before paying for tokenization."""
-        if not self.hf.chat_template:
+        if not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
         return str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 

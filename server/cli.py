@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model_config import ConfigError
-from ppserve.server.listen import listen
+from ppserve.server.listen import bind_http
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
@@ -330,7 +330,7 @@ def _serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    sockets = listen(args.host, args.port)
+    sockets = bind_http(args.host, args.port)
     try:
         _serve_on(args, api_key, sockets)
     finally:

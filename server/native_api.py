@@ -18,8 +18,9 @@ characters (each request's events repeat its id).
 Authentication: with an API key, a client sends it as `Authorization: Bearer <key>` on the
 upgrade, or, if it cannot set headers (a browser), as its first message, `auth`. A socket
 opened without the header must send `auth` with the right key within AUTH_TIMEOUT_S and before
-anything else; otherwise it gets an error event and is closed with code 4401. An `auth` on a
-socket already authenticated (or on a server without a key) is answered `auth_ok` again.
+anything else; otherwise it gets an error event and is closed with code 4401. A later `auth`
+is answered `auth_ok` if its key is right (always, on a server without a key), else with an error
+event; the socket stays open either way.
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ class _Socket:
         """Wait for the first message, which must be `auth` with the right key; anything else,
         or nothing within AUTH_TIMEOUT_S, gets an error event and closes the socket."""
         try:
-            message = await self.ws.receive(timeout=AUTH_TIMEOUT_S)
+            # A deadline around the whole wait: receive()'s own timeout starts again after every
+            # ping or pong, which would let a client without the key hold the socket forever.
+            async with asyncio.timeout(AUTH_TIMEOUT_S):
+                message = await self.ws.receive()
         except TimeoutError:
             message = None
         if message is not None and message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -169,9 +173,12 @@ class _Socket:
             msg = decode_ws(data)  # the union, so that the "type" tag must be there
         except ApiError:
             return False
+        return isinstance(msg, WsAuth) and self._is_key(msg)
+
+    def _is_key(self, msg: WsAuth) -> bool:
         # Compared exactly as the Authorization header is (the header's token is stripped of
         # its framing whitespace; a JSON string has none).
-        return isinstance(msg, WsAuth) and self.state.key_matches(msg.api_key.encode("utf-8", "surrogatepass"))
+        return self.state.key_matches(msg.api_key.encode("utf-8", "surrogatepass"))
 
     async def _handle(self, data: str) -> None:
         try:
@@ -179,8 +186,11 @@ class _Socket:
         except ApiError as e:
             await self.error(e.message, _peek_id(data))
             return
-        if isinstance(msg, WsAuth):
-            await self.send({"type": "auth_ok"})  # this socket is authenticated already
+        if isinstance(msg, WsAuth):  # again, on a socket already let in: say whether this key is right
+            if self._is_key(msg):
+                await self.send({"type": "auth_ok"})
+            else:
+                await self.error("wrong API key", None)
             return
         if isinstance(msg, WsCancel):
             task = self.tasks.get(msg.id)

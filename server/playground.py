@@ -84,6 +84,7 @@ async def pipeline(request: web.Request) -> web.Response:
         "time": now,  # the page's clock: the right edge of its window, whatever the browser's clock says
         "model": state.options.served_model_name,
         "pp_size": state.config.pp_size,
+        "chat_template": engine.tokenizer.has_chat_template,  # without one, the page sends plain text
         "status": status,
         "error": error,
         "running": stats.running,

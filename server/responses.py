@@ -203,6 +203,7 @@ class PipelineView(msgspec.Struct):
     time: float  # the server's clock (seconds since the epoch): the right edge of the view
     model: str
     pp_size: int
+    chat_template: bool  # whether the model has one (chat needs it; without, text is completed as is)
     status: Literal["ok", "recovering", "unhealthy"]  # as /health says it
     error: str | None  # why it is unhealthy
     running: int

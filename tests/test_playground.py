@@ -83,11 +83,14 @@ def _view(server: LiveServer, query: str = "") -> PipelineView:
 @pytest.mark.slow
 def test_pipeline_view(live_server: LiveServer) -> None:
     assert live_server.request("GET", "/debug/pipeline", headers={"Authorization": ""})[0] == 401
+    # The server is shared with other tests: start once what they sent has ended.
+    live_server.wait_until(lambda: (v := _view(live_server)).running == v.waiting == 0, what="the server to be idle")
     status, _, raw = live_server.request("POST", "/generate", {"text": "The pipeline", "sampling_params": GREEDY})
     assert status == 200, raw
 
     view = _view(live_server)
     assert view.model == live_server.model and view.pp_size == 2 and view.status == "ok" and view.error is None
+    assert view.chat_template
     assert view.running == view.waiting == view.kv_blocks_used == 0 and view.kv_blocks_total > 0
     assert len(view.stage_busy) == 2 and all(0 < b <= 1 for b in view.stage_busy)
     assert {i.stage for i in view.intervals} == {0, 1} and view.intervals[-1].end <= view.time
@@ -144,7 +147,10 @@ async def test_websocket_key_as_first_message(live_server: LiveServer) -> None:
             await ws.send_json(generate)
             events = await _until_done(ws, "g")
             assert [e["type"] for e in events] == ["token"] * 12 + ["done"]
-            await ws.send_json({"type": "auth", "api_key": "whatever"})  # authenticated already: harmless
+            # Authenticated already: a second auth says whether its key is right, and the socket serves on.
+            await ws.send_json({"type": "auth", "api_key": "whatever"})
+            assert await _receive(ws) == {"type": "error", "id": None, "message": "wrong API key"}
+            await ws.send_json({"type": "auth", "api_key": live_server.api_key})
             assert await _receive(ws) == {"type": "auth_ok"}
 
         for first in (
@@ -201,6 +207,20 @@ async def test_websocket_without_the_key_is_closed_in_time(
     client = await socket_only("secret")
     async with client.ws_connect("/ws") as ws:
         await _refused(ws)  # it sent nothing
+    # Pings and pongs are not messages: they do not stretch the time limit.
+    async with client.ws_connect("/ws", autoclose=False) as ws:
+        pinger = asyncio.create_task(_ping_every(ws, 0.05))
+        try:
+            await _refused(ws)
+        finally:
+            pinger.cancel()
+
+
+async def _ping_every(ws: aiohttp.ClientWebSocketResponse, period_s: float) -> None:
+    while not ws.closed:
+        await ws.ping()
+        await ws.pong()
+        await asyncio.sleep(period_s)  # the pace of a keep-alive, not a wait for a condition
 
 
 async def test_websocket_auth_without_a_key_is_ok(socket_only: Callable[[str | None], Any]) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
+
+import pytest
 
 from ppserve.engine.tiny_checkpoint import EOS
 from ppserve.engine.tokenizer import Tokenizer
@@ -24,6 +28,20 @@ def test_chat_template(llama_dir: Path) -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": "hi there"}])
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|user|>\nhi there<|eos|>") and text.endswith("<|assistant|>\n")
+    assert tok.has_chat_template
+
+
+def test_without_a_chat_template(llama_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "base"
+    shutil.copytree(llama_dir, ckpt)
+    (ckpt / "chat_template.jinja").unlink()
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(ckpt)
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_incremental_detokenizer_never_splits_characters(llama_dir: Path) -> None:
