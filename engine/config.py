@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ppserve.engine.devices import shares_a_gpu, stage_gpus
 from ppserve.engine.kv_cache import kv_bytes_per_block
 from ppserve.engine.model_config import ConfigError, ModelConfig
 from ppserve.engine.partition import partition_layers
@@ -50,6 +51,7 @@ class EngineConfig:
     # Control plane over tcp:// on these addresses (one per stage; the host listens on the first)
     # instead of ipc:// sockets in a private directory.
     stage_hosts: tuple[str, ...] = ()
+    stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index (engine/devices.py)
 
     @classmethod
     def create(
@@ -79,6 +81,7 @@ class EngineConfig:
         max_stage_restarts: int = 3,
         stage_restart_window_s: float = 600.0,
         stage_hosts: tuple[str, ...] = (),
+        gpu_ids: tuple[int, ...] = (),
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -148,8 +151,13 @@ class EngineConfig:
             raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
         if stage_hosts and len(stage_hosts) != pp_size:
             raise ConfigError(f"stage_hosts names {len(stage_hosts)} hosts for {pp_size} stages")
+        if gpu_ids and device != "cuda":
+            raise ConfigError("--gpu-ids needs --device cuda")
         try:
-            transport = resolve_kind(tensor_transport, device, same_host=len(set(stage_hosts)) <= 1)
+            gpus = stage_gpus(pp_size, torch.cuda.device_count(), gpu_ids) if device == "cuda" else ()
+            transport = resolve_kind(
+                tensor_transport, device, same_host=len(set(stage_hosts)) <= 1, shared_gpu=shares_a_gpu(gpus)
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return cls(
@@ -177,6 +185,7 @@ class EngineConfig:
             max_stage_restarts=max_stage_restarts,
             stage_restart_window_s=stage_restart_window_s,
             stage_hosts=tuple(stage_hosts),
+            stage_gpus=gpus,
         )
 
     @property

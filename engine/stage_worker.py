@@ -76,6 +76,12 @@ class StageLaunch:
     first_mb: int = 0  # micro-batches before this one were voided (a replacement joins mid-run)
 
 
+def _init_compute_thread(threads: int, gpu: int | None) -> None:
+    torch.set_num_threads(threads)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+
+
 def stage_main(launch: StageLaunch) -> None:
     """Process entry point (spawn)."""
     _set_process_name(f"ppserve-stage-{launch.stage}")
@@ -84,6 +90,8 @@ def stage_main(launch: StageLaunch) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     torch.set_num_threads(launch.threads)
+    if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
+        torch.cuda.set_device(launch.config.stage_gpus[launch.stage])
     try:
         import uvloop
 
@@ -102,10 +110,17 @@ class StageWorker:
         self.ctx = context()
         self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False)
         self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False)
+        # The stage's GPU, on CUDA. The current device is per thread: it is set in this thread (by
+        # stage_main) and in the compute thread, so "cuda" always means this stage's GPU.
+        self.gpu = launch.config.stage_gpus[launch.stage] if launch.config.stage_gpus else None
         # One compute thread; torch's thread count is set there too (OpenMP settings are per thread).
         self.compute_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="compute", initializer=torch.set_num_threads, initargs=(launch.threads,)
+            max_workers=1,
+            thread_name_prefix="compute",
+            initializer=_init_compute_thread,
+            initargs=(launch.threads, self.gpu),
         )
+        self._dist = False  # joined a torch.distributed process group
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
         # Activations of micro-batches below this id are leftovers of plans voided by a reset:
@@ -128,6 +143,7 @@ class StageWorker:
             tasks.append(self._watch(asyncio.create_task(self._read_plans())))
             try:
                 await self._stopped  # until the pipeline drains after Shutdown, or a task fails
+                self._leave_process_group()
                 return 0
             except Exception as e:
                 await self._fail(f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e, limit=5))}")
@@ -198,7 +214,9 @@ class StageWorker:
             from ppserve.transport.dist_channel import init_process_group
 
             host = launch.addresses.stage_hosts[0] if launch.addresses.stage_hosts else "127.0.0.1"
-            init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port)
+            gpu = None if self.gpu is None else torch.device("cuda", self.gpu)
+            init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port, device_id=gpu)
+            self._dist = True
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.compute_pool, _make_runner, self.config, self.stage)
@@ -213,6 +231,9 @@ class StageWorker:
             self.inbound = open_channel(self.ctx, launch.inbound, sender=False)
         if launch.outbound is not None:
             self.outbound = open_channel(self.ctx, launch.outbound, sender=True)
+        # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
+        # before serving: the first micro-batch never pays for them, nor waits on them.
+        await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))
         await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile))
 
     def _profile(self) -> list[tuple[int, int, float]]:
@@ -293,6 +314,14 @@ class StageWorker:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.inbox.send(StageFailed(self.stage, error, os.getpid())), 1.0)
         print(f"ppserve-stage-{self.stage}: {error}", file=sys.stderr)
+
+    def _leave_process_group(self) -> None:
+        """After a clean drain (a failing stage just exits: the group cannot be left politely)."""
+        if self._dist:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._dist = False
 
     def _close(self) -> None:
         for ch in (self.inbound, self.outbound):

@@ -48,6 +48,14 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--layer-partition", default=None, help="layers per stage, e.g. 3,3,4 (default: even split)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--gpu-ids",
+        type=_parse_gpu_ids,
+        default=(),
+        metavar="IDS",
+        help="CUDA devices for the stages, e.g. 2,3 (default: every visible one); stage k runs on the k-th, "
+        "neighbouring stages share when there are fewer devices than stages",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -56,7 +64,7 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         "--tensor-transport",
         default="auto",
         choices=["auto", "shm", "gloo", "nccl", "zmq"],
-        help="how activations travel between stages (auto: nccl on CUDA, else shm)",
+        help="how activations travel between stages (auto: nccl on CUDA with a GPU per stage, else shm)",
     )
     p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once")
     p.add_argument(
@@ -103,6 +111,15 @@ def _parse_ids(text: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError("token ids must be non-negative")
     return ids
+
+
+def _parse_gpu_ids(text: str) -> tuple[int, ...]:
+    from ppserve.engine.devices import parse_gpu_ids
+
+    try:
+        return parse_gpu_ids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-ids: ")) from None
 
 
 def _parse_origins(text: str) -> tuple[str, ...]:
@@ -234,6 +251,7 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         layer_partition=args.layer_partition,
         dtype=args.dtype,
         device=args.device,
+        gpu_ids=args.gpu_ids,
         block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb,
         max_model_len=args.max_model_len,

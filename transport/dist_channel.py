@@ -38,12 +38,31 @@ class DistChannel(TensorChannel):
         assert work is not None
         await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
 
+    async def warm_up(self) -> None:
+        """One element across the edge, before any micro-batch: NCCL creates a pair's
+        communicator at its first operation, which would otherwise be the first micro-batch."""
+        device = "cuda" if self.spec.kind == "nccl" else "cpu"  # NCCL: the stage's current device
+        token = torch.zeros(1, device=device)
+        work = dist.isend(token, dst=self.peer) if self.sender else dist.irecv(token, src=self.peer)
+        assert work is not None
+        await asyncio.get_running_loop().run_in_executor(self._waiter, work.wait)
+
     def close(self, linger_ms: int = 0) -> None:
         super().close(linger_ms)
         self._waiter.shutdown(wait=False, cancel_futures=True)
 
 
-def init_process_group(kind: str, rank: int, world_size: int, master: str, port: int, timeout_s: float = 60) -> None:
+def init_process_group(
+    kind: str,
+    rank: int,
+    world_size: int,
+    master: str,
+    port: int,
+    timeout_s: float = 60,
+    device_id: torch.device | None = None,
+) -> None:
+    """Join the stages' group. `device_id` (the stage's GPU, for nccl) binds the group to that
+    device, so NCCL sets up at once rather than inside the first send."""
     from datetime import timedelta
 
     dist.init_process_group(
@@ -52,4 +71,5 @@ def init_process_group(kind: str, rank: int, world_size: int, master: str, port:
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
+        device_id=device_id,
     )

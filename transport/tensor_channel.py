@@ -37,13 +37,19 @@ class ChannelSpec:
     ring: torch.Tensor | None = None  # shm: [slots, slot_bytes] uint8 in shared memory
 
 
-def resolve_kind(kind: str, device: str, same_host: bool) -> str:
+def resolve_kind(kind: str, device: str, same_host: bool, shared_gpu: bool = False) -> str:
+    """`auto`: nccl between CUDA stages each on its own GPU; otherwise shm within a host (on a
+    shared GPU, through host memory) and gloo across hosts."""
     if kind not in KINDS:
         raise ValueError(f"tensor transport must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "auto":
-        return "nccl" if device == "cuda" else "shm" if same_host else "gloo"
+        if device == "cuda" and not shared_gpu:
+            return "nccl"
+        return "shm" if same_host else "gloo"
     if kind == "nccl" and device != "cuda":
         raise ValueError("tensor transport 'nccl' needs --device cuda")
+    if kind == "nccl" and shared_gpu:
+        raise ValueError("tensor transport 'nccl' needs each stage on its own GPU (NCCL refuses two on one)")
     if kind == "shm" and not same_host:
         raise ValueError("tensor transport 'shm' needs all stages on one host")
     return kind
@@ -59,6 +65,9 @@ class TensorChannel(ABC):
     async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
         assert self.push is not None, "send on the receiving end"
         await self.push.send_frames([encode(header)])
+
+    async def warm_up(self) -> None:  # noqa: B027 (a hook: most channels have nothing to set up)
+        """Set up whatever the first micro-batch would otherwise set up (see DistChannel)."""
 
     async def recv(self, out: torch.Tensor, skip_before: int = 0) -> EdgeHeader:
         """Receive the next tensor into `out` (its shape, dtype and device say what to expect).
