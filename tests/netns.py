@@ -1,0 +1,95 @@
+"""Test hosts on one machine: Linux network namespaces on a bridge, for what crosses a network.
+
+Node i is namespace `<prefix>n<i>` with the address 198.18.0.<i+1>/24 (198.18.0.0/15 is reserved
+for network tests) on its `eth0`, a veth whose other end sits on a bridge in a namespace of its
+own, so nothing touches the machine's real interfaces. `link(i, up=False)` cuts node i off, as a
+pulled cable would. Everything, processes started in the namespaces included, goes at `close()`.
+Needs root and iproute2; `Cluster.create` raises `Unavailable` where they are missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+SUBNET = "198.18.0"
+
+
+class Unavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, no iproute2, no kernel support)."""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+class Cluster:
+    def __init__(self, size: int, prefix: str | None = None) -> None:
+        # Interface and namespace names stay short (15 characters for interfaces) and unique per process.
+        self.prefix = prefix or f"pp{os.getpid() % 100000}"
+        self.size = size
+        self.switch = f"{self.prefix}sw"
+        self.nodes = [f"{self.prefix}n{i}" for i in range(size)]
+        self.procs: list[subprocess.Popen[Any]] = []
+
+    @classmethod
+    def create(cls, size: int) -> Cluster:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise Unavailable("network namespaces need root and iproute2 (ip)")
+        cluster = cls(size)
+        try:
+            cluster._build()
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            cluster.close()
+            stderr = getattr(e, "stderr", b"") or b""
+            raise Unavailable(f"cannot create network namespaces: {stderr.decode(errors='replace').strip()}") from e
+        return cluster
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.nodes):
+            _ip("netns", "add", ns)
+            _ip("-n", self.switch, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def addr(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` inside node `node`'s namespace (ended at `close()` if still running)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[node], *argv], **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def link(self, node: int, up: bool) -> None:
+        """Connect or cut node `node`: its veth end on the bridge goes up or down."""
+        _ip("-n", self.switch, "link", "set", f"h{node}", "up" if up else "down")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        for ns in [*self.nodes, self.switch]:
+            # Whatever else still runs in a namespace (children of killed processes) goes too.
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10).stdout
+            for pid in pids.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+    @staticmethod
+    def existing(prefix: str) -> list[str]:
+        """Namespaces whose names start with `prefix` (to check that none are left)."""
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+        return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
