@@ -214,8 +214,9 @@ class StageWorker:
             from ppserve.transport.dist_channel import init_process_group
 
             host = launch.addresses.stage_hosts[0] if launch.addresses.stage_hosts else "127.0.0.1"
-            gpu = None if self.gpu is None else torch.device("cuda", self.gpu)
-            init_process_group(kinds.pop(), self.stage, self.config.pp_size, host, launch.dist_port, device_id=gpu)
+            kind = kinds.pop()
+            gpu = torch.device("cuda", self.gpu) if kind == "nccl" and self.gpu is not None else None
+            init_process_group(kind, self.stage, self.config.pp_size, host, launch.dist_port, device_id=gpu)
             self._dist = True
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
