@@ -178,6 +178,13 @@ class ChatMessage(msgspec.Struct):
         return "".join(parts)
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it (for /v1/chat/completions and ws `chat`)."""
+    if not messages:
+        raise ApiError(400, "messages must not be empty", "messages")
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatRequest(_OpenAIRequest, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: MaxTokens = None
@@ -197,7 +204,7 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return chat_dicts(self.messages)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -247,9 +254,7 @@ class WsChat(msgspec.Struct, tag="chat", kw_only=True, forbid_unknown_fields=Tru
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        if not self.messages:
-            raise ApiError(400, "messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return chat_dicts(self.messages)
 
     def params(self, max_tokens: int) -> SamplingParams:
         return self.sampling_params.params(max_tokens)

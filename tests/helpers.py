@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import torch
+from procs import children, read
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.local_pipeline import LocalPipeline
@@ -25,16 +26,7 @@ def alive(pid: int) -> bool:
 
 def spawned_children(pid: int) -> list[int]:
     """The live multiprocessing (spawn) children of `pid`: its stage processes."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError):  # not a process, or it ended meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    return [c for c in children(pid) if b"spawn_main" in read(c, "cmdline") and alive(c)]
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:

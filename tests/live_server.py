@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from procs import children, read
+
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
 
@@ -89,19 +91,7 @@ class LiveServer:
 
     def stage_pids(self) -> list[int]:
         """The server's stage processes (its children named ppserve-stage-*)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                comm = (entry / "comm").read_text().strip()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and comm.startswith("ppserve-stage"):
-                pids.append(int(entry.name))
-        return sorted(pids)
+        return [pid for pid in children(self.proc.pid) if read(pid, "comm").startswith(b"ppserve-stage")]
 
     def wait_until(self, predicate: Any, timeout_s: float = 30.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout_s

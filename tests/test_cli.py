@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,8 +179,10 @@ def test_ctrl_c_while_stages_start_prints_one_line(llama_dir: Path) -> None:
         start_new_session=True,  # its own process group, as a terminal gives it
     )
     try:
+        # Polled without a pause: the point is to interrupt the stages while they still import torch.
         stages: list[int] = []
-        while len(stages) < 2 and proc.poll() is None:
+        deadline = time.monotonic() + 60
+        while len(stages) < 2 and proc.poll() is None and time.monotonic() < deadline:
             stages = spawned_children(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)

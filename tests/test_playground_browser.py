@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from helpers import alive
 from live_server import ROOT, LiveServer
+from procs import descendants
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -73,7 +74,7 @@ def browser() -> Iterator[WebDriver]:
             options.add_argument(flag)
         service = Service(executable_path=str(CHROMEDRIVER))
         driver = webdriver.Chrome(service=service, options=options)
-        processes = _descendants(service.process.pid)
+        processes = descendants(service.process.pid)
         try:
             yield driver
         finally:
@@ -81,23 +82,6 @@ def browser() -> Iterator[WebDriver]:
             # chromedriver and every browser process it started are gone (chromium's helpers
             # exit once their parent does; wait for that, bounded).
             WebDriverWait(driver, 30).until(lambda _: not any(alive(pid) for pid in processes))
-
-
-def _descendants(pid: int) -> list[int]:
-    """`pid` and every process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
 
 
 def _wait(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str) -> Any:
