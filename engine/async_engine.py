@@ -117,7 +117,7 @@ class AsyncEngine:
         except BaseException:
             await self.close()
             raise
-        for task, name in zip(pool.tasks, ("result reader", "stage monitor"), strict=True):
+        for name, task in pool.tasks.items():
             self._supervise(task, name)
         for stage, samples in enumerate(pool.profiles):
             if samples:
@@ -346,7 +346,7 @@ class AsyncEngine:
         log.error("%s", error)
         if self._closed or self.error is not None or self._recovery is not None:
             return  # a recovery in progress watches the stages itself
-        if self._driver is None:
+        if self._driver is None or error.fatal:
             self._die(EngineDeadError(str(error)))
             return
         self._recovery = self._supervise(asyncio.create_task(self._recover(error)), "stage recovery", forever=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ppserve.engine.cluster import ClusterConfig
 from ppserve.engine.devices import shares_a_gpu, stage_gpus
 from ppserve.engine.kv_cache import kv_bytes_per_block
 from ppserve.engine.model_config import ConfigError, ModelConfig
@@ -32,7 +33,7 @@ class EngineConfig:
     num_kv_blocks: int  # per stage; every stage holds the same block ids for its own layers
     max_model_len: int
     # Runtime (pipeline) settings.
-    tensor_transport: str = "shm"  # resolved: shm | gloo | nccl | zmq
+    edge_transports: tuple[str, ...] = ()  # per edge (stage i -> i + 1), resolved: shm | gloo | nccl | zmq
     max_running_requests: int = 256
     max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
     max_batched_tokens: int = 2048  # new tokens per micro-batch
@@ -48,10 +49,8 @@ class EngineConfig:
     stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
     max_stage_restarts: int = 3  # stage replacements allowed per window; past that the engine is dead
     stage_restart_window_s: float = 600.0
-    # Control plane over tcp:// on these addresses (one per stage; the host listens on the first)
-    # instead of ipc:// sockets in a private directory.
-    stage_hosts: tuple[str, ...] = ()
-    stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index (engine/devices.py)
+    stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/devices.py)
+    cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster.py); None: one host
 
     @classmethod
     def create(
@@ -80,8 +79,8 @@ class EngineConfig:
         stage_timeout_s: float = 10.0,
         max_stage_restarts: int = 3,
         stage_restart_window_s: float = 600.0,
-        stage_hosts: tuple[str, ...] = (),
         gpu_ids: tuple[int, ...] = (),
+        cluster: ClusterConfig | None = None,
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -149,14 +148,21 @@ class EngineConfig:
             raise ConfigError(f"stage_timeout_s must be at least 1 second, got {stage_timeout_s}")
         if max_stage_restarts < 0:
             raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
-        if stage_hosts and len(stage_hosts) != pp_size:
-            raise ConfigError(f"stage_hosts names {len(stage_hosts)} hosts for {pp_size} stages")
         if gpu_ids and device != "cuda":
             raise ConfigError("--gpu-ids needs --device cuda")
+        if cluster is not None and len(cluster.stage_nodes) != pp_size:
+            raise ConfigError(f"the cluster places {len(cluster.stage_nodes)} stages, but --pp-size is {pp_size}")
+        nodes = cluster.stage_nodes if cluster is not None else (0,) * pp_size
         try:
-            gpus = stage_gpus(pp_size, torch.cuda.device_count(), gpu_ids) if device == "cuda" else ()
-            transport = resolve_kind(
-                tensor_transport, device, same_host=len(set(stage_hosts)) <= 1, shared_gpu=shares_a_gpu(gpus)
+            gpus: tuple[int, ...] = ()
+            if device == "cuda":  # each node numbers its own devices
+                for node in sorted(set(nodes)):
+                    gpus += stage_gpus(nodes.count(node), torch.cuda.device_count(), gpu_ids)
+            shared = shares_a_gpu([n * 1_000_000 + g for n, g in zip(nodes, gpus, strict=False)])
+            resolve_kind(tensor_transport, device, same_host=True, shared_gpu=shared)  # checked even at PP=1
+            transports = tuple(
+                resolve_kind(tensor_transport, device, same_host=nodes[i] == nodes[i + 1], shared_gpu=shared)
+                for i in range(pp_size - 1)
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -170,7 +176,7 @@ class EngineConfig:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,
-            tensor_transport=transport,
+            edge_transports=transports,
             max_running_requests=max_running_requests,
             max_waiting_requests=max_waiting_requests,
             max_batched_tokens=max_batched_tokens,
@@ -184,13 +190,33 @@ class EngineConfig:
             stage_timeout_s=stage_timeout_s,
             max_stage_restarts=max_stage_restarts,
             stage_restart_window_s=stage_restart_window_s,
-            stage_hosts=tuple(stage_hosts),
             stage_gpus=gpus,
+            cluster=cluster,
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def tensor_transport(self) -> str:
+        """The edges' channel kind(s), e.g. "shm", or "gloo+shm" across nodes ("none" at PP=1)."""
+        return "+".join(sorted(set(self.edge_transports))) or "none"
+
+    @property
+    def process_group(self) -> str | None:
+        """The torch.distributed backend every stage joins, if any edge uses one."""
+        return next((k for k in self.edge_transports if k in ("gloo", "nccl")), None)
+
+    def cluster_settings(self) -> dict[str, str]:
+        """What every node of a cluster must agree on (compared when a node joins)."""
+        names = (
+            "pp_size layer_ranges dtype device block_size num_kv_blocks max_model_len edge_transports "
+            "max_batched_tokens async_depth dynamic_chunking synthetic_latency"
+        ).split()
+        settings = {name: str(getattr(self, name)) for name in names}
+        settings["stage_nodes"] = str(self.cluster.stage_nodes if self.cluster else ())
+        return settings
 
 
 def _env_float(name: str, default: float) -> float:

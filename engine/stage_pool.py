@@ -10,6 +10,11 @@ Replacement (`replace`): the failed stage's process is killed, the surviving sta
 void what they hold (`Reset`, answered by `ResetDone`), and a fresh process loads the same
 layers and opens the same channels. With torch.distributed channels (gloo, nccl) a process
 group cannot take in a new member, so every stage is replaced.
+
+Across nodes (`config.cluster`), node 0's pool first admits the other nodes (engine/rendezvous.py),
+then spawns only its own stages; the others are `RemoteStage`s, started and stopped by their
+node's agent and watched through its heartbeats (engine/remote_nodes.py). There a failure is
+fatal: the engine fails its requests and the cluster is restarted as a whole.
 """
 
 from __future__ import annotations
@@ -23,16 +28,22 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.stage_worker import StageLaunch, stage_main
-from ppserve.transport.addresses import Addresses, free_port_block
+from ppserve.transport.addresses import Addresses, free_ports, tcp_address
+from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     PROTOCOL_VERSION,
+    Layout,
     Msg,
+    NodeHeartbeat,
+    NodeStageExited,
     Reset,
     ResetDone,
     Shutdown,
@@ -43,6 +54,9 @@ from ppserve.transport.messages import (
 )
 from ppserve.transport.tensor_channel import ChannelSpec
 
+if TYPE_CHECKING:
+    from ppserve.engine.rendezvous import HostRendezvous
+
 log = logging.getLogger("ppserve.engine")
 MONITOR_S = 0.1
 HOST_STALL_S = 0.5  # a monitor tick this late means the host itself was not running
@@ -50,11 +64,13 @@ Handshake = StageReady | ResetDone | StageFailed
 
 
 class StageError(RuntimeError):
-    """A stage failed to start, crashed, or stopped answering (`stage`: which, when known)."""
+    """A stage failed to start, crashed, or stopped answering (`stage`: which, when known;
+    `fatal`: it cannot be replaced, as on another node)."""
 
-    def __init__(self, message: str, stage: int | None = None) -> None:
+    def __init__(self, message: str, stage: int | None = None, fatal: bool = False) -> None:
         super().__init__(message)
         self.stage = stage
+        self.fatal = fatal
 
 
 class StagePool:
@@ -69,61 +85,60 @@ class StagePool:
         # Called once per failed stage process while serving; during start-up or a replacement,
         # failures are raised by `start` / `replace` instead.
         self.on_failure = on_failure
-        self.addresses = (
-            Addresses.tcp(config.pp_size, config.stage_hosts[0], config.stage_hosts)
-            if config.stage_hosts
-            else Addresses.ipc(config.pp_size)
-        )
+        cluster = config.cluster
+        self.local = cluster.local_stages if cluster else list(range(config.pp_size))
         self.ctx = context()
-        self.inbox = PullSocket(self.ctx, self.addresses.host_inbox(), bind=True)
-        self.plan_socks = [PushSocket(self.ctx, self.addresses.plans(i), bind=True) for i in range(config.pp_size)]
-        self.procs: list[BaseProcess] = []
+        self.keys = CurveKeys.from_secret(cluster.key) if cluster and cluster.key else None
+        self.guard = Guard(self.ctx, self.keys, "host") if self.keys else None
+        if cluster is None:
+            self.addresses = Addresses.ipc(config.pp_size)
+            inbox, plans = self.addresses.host_inbox(), [self.addresses.plans(i) for i in range(config.pp_size)]
+        else:  # ports picked by the OS; the nodes learn them from the layout
+            inbox = tcp_address(cluster.node_addr, "*")
+            plans = [inbox] * config.pp_size
+        self.inbox = PullSocket(self.ctx, inbox, bind=True, guard=self.guard)
+        self.plan_socks = [PushSocket(self.ctx, a, bind=True, guard=self.guard) for a in plans]
+        if cluster is not None:
+            # This node's stages bind their inbound edges on its address, at ports picked now.
+            ports = free_ports(config.pp_size, cluster.node_addr)
+            local_edges = [tcp_address(cluster.node_addr, port) for port in ports]
+            self.addresses = Addresses(
+                self.inbox.address, tuple(s.address for s in self.plan_socks), tuple(local_edges[1:])
+            )
+        self.procs: list[BaseProcess | RemoteStage] = []
+        self.nodes: RemoteNodes | None = None
         self.last_seen: list[float] = [time.monotonic()] * config.pp_size
         self.profiles: list[list[tuple[int, int, float]]] = [[] for _ in range(config.pp_size)]
         self.epoch = 0  # resets sent so far
-        self.tasks: list[asyncio.Task[None]] = []  # the reader and the monitor (the engine supervises them)
-        self._specs = self._channel_specs()
+        # Long-lived tasks, by name (the engine supervises them).
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._specs: list[ChannelSpec] = []
         self._dist_port = 0
         self._handshakes: asyncio.Queue[Handshake] = asyncio.Queue()
         self._handshaking = False  # start-up or replacement: `_handshake` watches the stages itself
         self._reported: set[int] = set()  # pids whose failure was reported (or that we killed)
+        self._deferred: tuple[StageError, float] | None = None  # a cluster's failure, until its deadline
+        self.rendezvous: HostRendezvous | None = None
 
     @property
     def uses_process_group(self) -> bool:
-        return self.config.tensor_transport in ("gloo", "nccl")
-
-    def _channel_specs(self) -> list[ChannelSpec]:
-        cfg = self.config
-        specs = []
-        for i in range(cfg.pp_size - 1):
-            ring = None
-            if cfg.tensor_transport == "shm":
-                from ppserve.transport.shm_channel import allocate_ring
-
-                elem = cfg.torch_dtype.itemsize
-                slot_bytes = cfg.max_batched_tokens * cfg.model_config.hidden_size * elem
-                ring = allocate_ring(cfg.pp_size + cfg.async_depth, slot_bytes)
-            specs.append(ChannelSpec(cfg.tensor_transport, i, i + 1, self.addresses.edge(i), ring))
-        return specs
+        return self.config.process_group is not None
 
     def _spawn(self, stage: int, first_mb: int = 0) -> None:
-        cfg = self.config
-        launch = StageLaunch(
-            config=cfg,
-            stage=stage,
-            addresses=self.addresses,
-            inbound=self._specs[stage - 1] if stage > 0 else None,
-            outbound=self._specs[stage] if stage < cfg.pp_size - 1 else None,
-            dist_port=self._dist_port,
-            threads=cfg.threads_per_stage,
-            parent_pid=os.getpid(),
-            first_mb=first_mb,
+        proc = spawn_stage(
+            StageLaunch(
+                config=self.config,
+                stage=stage,
+                addresses=self.addresses,
+                inbound=self._specs[stage - 1] if stage > 0 else None,
+                outbound=self._specs[stage] if stage < self.config.pp_size - 1 else None,
+                dist_port=self._dist_port,
+                threads=self.config.threads_per_stage,
+                parent_pid=os.getpid(),
+                first_mb=first_mb,
+                key=self.config.cluster.key if self.config.cluster else None,
+            )
         )
-        proc = mp.get_context("spawn").Process(
-            target=stage_main, args=(launch,), name=f"ppserve-stage-{stage}", daemon=True
-        )
-        with _sigint_blocked():
-            proc.start()
         self._reported.discard(proc.pid or 0)  # a pid the OS reused from a process reported before
         if stage < len(self.procs):
             self.procs[stage] = proc
@@ -134,13 +149,47 @@ class StagePool:
     # ---- start-up and replacement ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn every stage and wait until all are ready; a stage's own error if one fails."""
-        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._monitor())]
-        if self.uses_process_group:
-            self._dist_port = free_port_block(1)
+        """Spawn every stage and wait until all are ready; a stage's own error if one fails.
+        In a cluster, first admit the other nodes (RendezvousError if one is refused or missing)."""
+        self.tasks = {"result reader": asyncio.create_task(self._read())}
+        if self.config.cluster is not None:
+            await self._admit_nodes()
+        elif self.uses_process_group:
+            self._dist_port = free_ports(1)[0]
+        self._specs = channel_specs(self.config, self.addresses, self.local)
         for i in range(self.config.pp_size):
-            self._spawn(i)
+            if i in self.local:
+                self._spawn(i)
+            else:
+                assert self.nodes is not None
+                node = self.config.cluster.stage_nodes[i]  # type: ignore[union-attr]
+                self.procs.append(RemoteStage(i, node, self.nodes.joins[node].addr))
+        self.tasks["stage monitor"] = asyncio.create_task(self._monitor())
         await self._handshake(set(range(self.config.pp_size)), set())
+
+    async def _admit_nodes(self) -> None:
+        from ppserve.engine.fingerprint import checkpoint_fingerprint
+        from ppserve.engine.rendezvous import HostRendezvous
+
+        cluster = self.config.cluster
+        assert cluster is not None
+        try:
+            rendezvous = self.rendezvous = HostRendezvous(cluster, self.config.stage_start_timeout_s)
+        except OSError as e:
+            raise StageError(f"cannot listen on --dist-init-addr {cluster.dist_init_addr}: {e.strerror or e}") from None
+        fingerprint = checkpoint_fingerprint(self.config.model)
+        joins = await rendezvous.admit(fingerprint, self.config.cluster_settings())
+        edges = list(self.addresses.edge_addrs)
+        for stage in range(1, self.config.pp_size):
+            node = cluster.stage_nodes[stage]
+            if node != 0:
+                edges[stage - 1] = joins[node].edges[stage]
+        controls = [""] + [joins[n].control for n in range(1, cluster.nnodes)]
+        layout = Layout(self.addresses.host_inbox(), list(self.addresses.plan_addrs), edges, controls)
+        self.addresses = Addresses.from_layout(layout)
+        self.nodes = RemoteNodes(self.ctx, joins, self.guard)
+        self.tasks["node heartbeat"] = asyncio.create_task(self.nodes.beat())
+        rendezvous.publish(layout)
 
     async def replace(self, stage: int, first_mb: int) -> list[int]:
         """Replace a failed stage (or every stage, with a process group) and reset the others;
@@ -155,7 +204,7 @@ class StagePool:
         for i in sorted(survivors):
             self.plan_socks[i].send_nowait(Reset(self.epoch, first_mb))
         if self.uses_process_group:
-            self._dist_port = free_port_block(1)  # a fresh group: the old store may still linger
+            self._dist_port = free_ports(1)[0]  # a fresh group: the old store may still linger
         for i in sorted(fresh):
             self._spawn(i, first_mb)
         await self._handshake(set(fresh), survivors)
@@ -200,9 +249,9 @@ class StagePool:
                     msg = await asyncio.wait_for(self._handshakes.get(), timeout=0.2)
                 except TimeoutError:
                     continue
-                if isinstance(msg, StageFailed) and msg.pid == self.procs[msg.stage].pid:
+                if isinstance(msg, StageFailed) and self._owns(msg.stage, msg.pid):
                     raise StageError(f"stage {msg.stage} {msg.error}", msg.stage)
-                if isinstance(msg, StageReady) and msg.pid == self.procs[msg.stage].pid:
+                if isinstance(msg, StageReady) and self._owns(msg.stage, msg.pid):
                     if msg.protocol != PROTOCOL_VERSION:
                         raise StageError(
                             f"stage {msg.stage} speaks protocol {msg.protocol}, host {PROTOCOL_VERSION}", msg.stage
@@ -216,11 +265,18 @@ class StagePool:
             now = time.monotonic()
             self.last_seen = [now] * self.config.pp_size
 
+    def _owns(self, stage: int, pid: int) -> bool:
+        """Whether a message from process `pid` comes from the current process of `stage`."""
+        proc = self.procs[stage]
+        return proc.claim(pid) if isinstance(proc, RemoteStage) else proc.pid == pid
+
     async def _raise_dead(self, stage: int) -> None:
         """A stage died during a handshake: its own message (sent just before it exited) if it
         comes soon, else its exit code."""
         proc = self.procs[stage]
         self._reported.add(proc.pid or 0)
+        if isinstance(proc, RemoteStage):
+            raise StageError(f"{proc.describe()}: {proc.gone}", stage, fatal=True)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.5):
                 while True:
@@ -243,13 +299,24 @@ class StagePool:
                 self.last_seen[-1] = time.monotonic()
                 self.on_result(msg)
                 continue
+            if isinstance(msg, NodeHeartbeat) and self.nodes is not None:
+                self.nodes.heard(msg.node)
+                continue
+            if isinstance(msg, NodeStageExited):
+                self._remote_exited(msg)
+                continue
             stage = getattr(msg, "stage", None)
             if stage is not None:
                 self.last_seen[stage] = time.monotonic()
             if isinstance(msg, (StageReady, ResetDone)) or (isinstance(msg, StageFailed) and self._handshaking):
                 self._handshakes.put_nowait(msg)
-            elif isinstance(msg, StageFailed) and msg.pid == self.procs[msg.stage].pid:
+            elif isinstance(msg, StageFailed) and self._owns(msg.stage, msg.pid):
                 self._report(StageError(f"stage {msg.stage} failed: {msg.error}", msg.stage), msg.pid)
+
+    def _remote_exited(self, msg: NodeStageExited) -> None:
+        proc = self.procs[msg.stage] if msg.stage < len(self.procs) else None
+        if isinstance(proc, RemoteStage) and proc.claim(msg.pid) and proc.is_alive():
+            proc.gone = f"its process exited (code {msg.exitcode})"
 
     async def _monitor(self) -> None:
         tick = time.monotonic()
@@ -261,13 +328,19 @@ class StagePool:
                 # still queued unread, so their silence says nothing about them.
                 log.warning("the host's event loop stalled for %.1f s; not blaming the stages", now - tick)
                 self.last_seen = [now] * self.config.pp_size
+                if self.nodes is not None:
+                    self.nodes.refresh()
             tick = now
+            self._check_nodes()
             if self._handshaking:
                 continue
+            self._report_deferred()
             for i, proc in enumerate(self.procs):
                 if proc.pid in self._reported:
                     continue
-                if not proc.is_alive():
+                if isinstance(proc, RemoteStage) and not proc.is_alive():
+                    self._report(StageError(f"{proc.describe()} is gone: {proc.gone}", i), proc.pid)
+                elif not proc.is_alive():
                     self._report(
                         StageError(f"stage {i} (pid {proc.pid}) died with exit code {proc.exitcode}", i), proc.pid
                     )
@@ -276,12 +349,55 @@ class StagePool:
                     message = f"stage {i} (pid {proc.pid}) sent nothing for {silent:.1f} s; killed it"
                     self._report(StageError(message, i), proc.pid)
 
+    def _check_nodes(self) -> None:
+        """A node silent too long is lost, and every stage on it with it."""
+        if self.nodes is None:
+            return
+        for node, silent in self.nodes.newly_lost():
+            why = f"node {node} is unreachable: nothing heard from it for {silent:.1f} s"
+            log.error("%s (stage(s) %s)", why, ", ".join(str(p.stage) for p in self._remote(node)))
+            for proc in self._remote(node):
+                proc.gone = proc.gone or why
+
+    def _remote(self, node: int) -> list[RemoteStage]:
+        return [p for p in self.procs if isinstance(p, RemoteStage) and p.node == node]
+
     def _report(self, error: StageError, pid: int | None) -> None:
-        """Tell the engine, once per failed process."""
+        """Tell the engine, once per failed process. In a cluster nothing is replaced: the failure
+        is fatal, and the other nodes are told to stop their stages. There a stage's own error
+        (say, its connection to the next node broke) waits a node timeout first: if a node is
+        lost meanwhile, that is the cause to report, not the neighbour that noticed it."""
         if pid in self._reported:
             return
         self._reported.add(pid or 0)
+        if self.config.cluster is None:
+            self.on_failure(error)
+            return
+        error.fatal = True
+        lost = any(isinstance(p, RemoteStage) and not p.is_alive() for p in self.procs)
+        if not lost and self._deferred is None:
+            self._deferred = (error, time.monotonic() + NODE_TIMEOUT_S + 2 * MONITOR_S)
+            return
+        self._deferred = None
+        self.abandon()
         self.on_failure(error)
+
+    def _report_deferred(self) -> None:
+        if self._deferred is not None and time.monotonic() > self._deferred[1]:
+            error, _ = self._deferred
+            self._deferred = None
+            self.abandon()
+            self.on_failure(error)
+
+    def abandon(self) -> None:
+        """A cluster that lost a stage cannot serve: stop every stage on every node now (the
+        host process and its server stay, reporting the engine dead)."""
+        for proc in self.procs:
+            self._reported.add(proc.pid or 0)
+            if proc.is_alive():
+                proc.kill()
+        if self.nodes is not None:
+            self.nodes.shutdown()
 
     # ---- shutdown -------------------------------------------------------------------------
 
@@ -293,26 +409,62 @@ class StagePool:
         self.addresses.cleanup()
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Ask every stage to stop, wait briefly, then kill what is left; remove socket files."""
-        for task in self.tasks:
+        """Ask every stage to stop, wait briefly, then kill what is left; remove socket files.
+        Other nodes' agents are told too: they give their stages the same grace."""
+        for task in self.tasks.values():
             task.cancel()
+        local = [p for p in self.procs if not isinstance(p, RemoteStage)]
         if any(not p.is_alive() for p in self.procs):
             timeout_s = 0.0  # survivors may be blocked on the dead stage's activations: kill them
         for sock in self.plan_socks:
             with contextlib.suppress(Exception):
                 sock.send_nowait(Shutdown())
+        if self.nodes is not None:
+            self.nodes.shutdown()
         deadline = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+        while any(p.is_alive() for p in local) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for p in self.procs:
+        for p in local:
             if p.is_alive():
                 p.kill()
             p.join(timeout=1.0)
+        # Across nodes, what was just sent may still be on its way: let it go out (briefly).
+        linger_ms = 500 if self.config.cluster is not None else 0
         self.inbox.close()
         for sock in self.plan_socks:
-            sock.close()
+            sock.close(linger_ms)
+        if self.nodes is not None:
+            self.nodes.close(linger_ms)
+        if self.guard is not None:
+            self.guard.stop()
         self.ctx.term()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         self.addresses.cleanup()
+
+
+def channel_specs(config: EngineConfig, addresses: Addresses, local: list[int]) -> list[ChannelSpec]:
+    """Every edge's spec; a shared-memory ring for each shm edge between two of the `local`
+    stages (the ones this process spawns: both ends of an shm edge are on one node)."""
+    specs = []
+    for i, kind in enumerate(config.edge_transports):
+        ring = None
+        if kind == "shm" and i in local:
+            from ppserve.transport.shm_channel import allocate_ring
+
+            slot_bytes = config.max_batched_tokens * config.model_config.hidden_size * config.torch_dtype.itemsize
+            ring = allocate_ring(config.pp_size + config.async_depth, slot_bytes)
+        specs.append(ChannelSpec(kind, i, i + 1, addresses.edge(i), ring))
+    return specs
+
+
+def spawn_stage(launch: StageLaunch) -> BaseProcess:
+    proc = mp.get_context("spawn").Process(
+        target=stage_main, args=(launch,), name=f"ppserve-stage-{launch.stage}", daemon=True
+    )
+    with _sigint_blocked():
+        proc.start()
+    return proc
 
 
 @contextlib.contextmanager

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,7 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.latency_profile import profile_points, run_profile
 from ppserve.engine.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses
+from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     PROTOCOL_VERSION,
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
-Output = tuple[StepPlan, list[Timing], "torch.Tensor | list[Sampled]"]
+Output = tuple[StepPlan, list[Timing], "_Span", "torch.Tensor | list[Sampled]"]
 QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
 
 
@@ -74,6 +76,26 @@ class StageLaunch:
     threads: int
     parent_pid: int
     first_mb: int = 0  # micro-batches before this one were voided (a replacement joins mid-run)
+    key: bytes | None = field(default=None, repr=False)  # the cluster secret, across nodes
+
+
+@dataclass(frozen=True)
+class _Span:
+    """When a micro-batch computed on this stage. On CUDA the call returns once the kernels are
+    queued, so the span is measured by two CUDA events instead; they are read in the send task
+    (which waits for the output anyway), never with a synchronize on the compute thread."""
+
+    start: float  # time.time() when the compute began
+    end: float  # ... and when the call returned
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def timing(self, stage: int) -> Timing:
+        """Blocks until the kernels are done, on CUDA (call it off the event loop there)."""
+        if self.events is None:
+            return Timing(stage, self.start, self.end)
+        begin, finish = self.events
+        finish.synchronize()
+        return Timing(stage, self.start, self.start + begin.elapsed_time(finish) / 1e3)
 
 
 def _init_compute_thread(threads: int, gpu: int | None) -> None:
@@ -98,7 +120,13 @@ def stage_main(launch: StageLaunch) -> None:
         uvloop.install()
     except ImportError:
         pass
-    sys.exit(asyncio.run(StageWorker(launch).run()))
+    if launch.config.cluster is not None:  # refused peers are logged (transport/cluster_key.py)
+        logging.basicConfig(level=logging.WARNING, format=f"ppserve-stage-{launch.stage}: %(message)s")
+    sys.exit(asyncio.run(_run(launch)))
+
+
+async def _run(launch: StageLaunch) -> int:
+    return await StageWorker(launch).run()  # made in the loop: its sockets' guard needs one
 
 
 class StageWorker:
@@ -108,8 +136,9 @@ class StageWorker:
         self.config = launch.config
         self.last = launch.stage == launch.config.pp_size - 1
         self.ctx = context()
-        self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False)
-        self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False)
+        self.guard = Guard(self.ctx, CurveKeys.from_secret(launch.key), f"stage {self.stage}") if launch.key else None
+        self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False, guard=self.guard)
+        self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False, guard=self.guard)
         # The stage's GPU, on CUDA. The current device is per thread: it is set in this thread (by
         # stage_main) and in the compute thread, so "cuda" always means this stage's GPU.
         self.gpu = launch.config.stage_gpus[launch.stage] if launch.config.stage_gpus else None
@@ -120,6 +149,7 @@ class StageWorker:
             initializer=_init_compute_thread,
             initargs=(launch.threads, self.gpu),
         )
+        self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see _Span)
         self._dist = False  # joined a torch.distributed process group
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
@@ -208,15 +238,23 @@ class StageWorker:
         await self.inbox.send(ResetDone(self.stage, epoch))
 
     async def _start(self) -> None:
-        launch = self.launch
-        kinds = {s.kind for s in (launch.inbound, launch.outbound) if s is not None}
-        if kinds & {"gloo", "nccl"}:
+        launch, cluster = self.launch, self.config.cluster
+        if (kind := self.config.process_group) is not None:  # every stage joins, whatever its own edges
             from ppserve.transport.dist_channel import init_process_group
 
-            host = launch.addresses.stage_hosts[0] if launch.addresses.stage_hosts else "127.0.0.1"
-            kind = kinds.pop()
             gpu = torch.device("cuda", self.gpu) if kind == "nccl" and self.gpu is not None else None
-            init_process_group(kind, self.stage, self.config.pp_size, host, launch.dist_port, device_id=gpu)
+            pp = self.config.pp_size
+            if cluster is None:
+                init_process_group(kind, self.stage, pp, "127.0.0.1", launch.dist_port, device_id=gpu)
+            else:  # meet in the cluster's rendezvous store, run by node 0
+                from ppserve.engine.cluster import interface_of
+
+                # Connections between ranks go out on this node's address, not where the hostname points.
+                if (iface := interface_of(cluster.node_addr)) is not None:
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+                    os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+                host, port = cluster.dist_init_host, cluster.dist_init_port
+                init_process_group(kind, self.stage, pp, host, port, device_id=gpu, store_prefix="ppserve/pg/")
             self._dist = True
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
@@ -229,9 +267,9 @@ class StageWorker:
 
             self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
         if launch.inbound is not None:
-            self.inbound = open_channel(self.ctx, launch.inbound, sender=False)
+            self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.guard)
         if launch.outbound is not None:
-            self.outbound = open_channel(self.ctx, launch.outbound, sender=True)
+            self.outbound = open_channel(self.ctx, launch.outbound, sender=True, guard=self.guard)
         # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
         # before serving: the first micro-batch never pays for them, nor waits on them.
         await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))
@@ -268,18 +306,25 @@ class StageWorker:
         while (item := await received.get()) is not None:
             plan, header, hidden = item
             start = time.time()
-            out = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
-            timings = [*(header.timings if header else []), Timing(self.stage, start, time.time())]
-            await outputs.put((plan, timings, out))
+            out, events = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
+            span = _Span(start, time.time(), events)
+            await outputs.put((plan, header.timings if header else [], span, out))
         await outputs.put(None)
 
-    def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor | list[Sampled]:
-        """Compute thread: this stage's layers; on the last stage, sampling too."""
+    def _execute(
+        self, plan: StepPlan, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor | list[Sampled], tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+        """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
+        events around the layers' kernels (see _Span)."""
+        events = None
+        if self.gpu is not None:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         out = self.runner.execute(plan.chunks, hidden)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)  # so the stage's timing is its compute, not its kernel launches
+        if events is not None:
+            events[1].record()
         if not self.last:
-            return out
+            return out, events
         # Released requests have nothing in flight any more; drop them first, since a new
         # request in this very plan may reuse an id.
         for rid in plan.released:
@@ -287,14 +332,21 @@ class StageWorker:
         for new in plan.new_requests:
             self.sampler.add_request(new.request_id, new.params, new.output_token_ids)
         ids = [c.request_id for c in plan.chunks if c.sample]
-        return [
+        samples = [
             Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
             for rid, s in zip(ids, self.sampler.sample(ids, out), strict=True)
         ]
+        return samples, events
 
     async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:
+        loop = asyncio.get_running_loop()
         while (item := await outputs.get()) is not None:
-            plan, timings, out = item
+            plan, upstream, span, out = item
+            if span.events is None:
+                mine = span.timing(self.stage)
+            else:  # waits for the kernels: a thread of its own, so compute runs on meanwhile
+                mine = await loop.run_in_executor(self._timer, span.timing, self.stage)
+            timings = [*upstream, mine]
             if isinstance(out, torch.Tensor):
                 assert self.outbound is not None
                 await self.outbound.send(EdgeHeader(plan.mb_id, timings), out)
@@ -331,6 +383,9 @@ class StageWorker:
         self.inbox.close()
         self.plans.close()
         self.compute_pool.shutdown(wait=False, cancel_futures=True)
+        self._timer.shutdown(wait=False, cancel_futures=True)
+        if self.guard is not None:
+            self.guard.stop()
         self.ctx.term()
 
 

@@ -33,7 +33,7 @@ from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.engine.timeline import Interval  # noqa: E402
 from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from ppserve.transport.addresses import free_port_block  # noqa: E402
+from ppserve.transport.addresses import free_ports  # noqa: E402
 from ppserve.transport.messages import EdgeHeader  # noqa: E402
 from ppserve.transport.tensor_channel import ChannelSpec, open_channel  # noqa: E402
 
@@ -235,7 +235,7 @@ def channel_round_trips(kind: str, sizes: list[int], reps: int) -> dict[str, flo
         ChannelSpec(kind, 0, 1, f"ipc://{tmp.name}/fwd", rings[0]),
         ChannelSpec(kind, 1, 0, f"ipc://{tmp.name}/back", rings[1]),
     )
-    port = free_port_block(1)
+    port = free_ports(1)[0]
     proc = mp.get_context("spawn").Process(target=_channel_peer, args=(kind, specs, port, sizes, reps))
     proc.start()
     out: dict[str, float] = {}

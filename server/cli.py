@@ -19,6 +19,7 @@ from ppserve.server.listen import bind_http
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
+    from ppserve.engine.cluster import ClusterConfig
     from ppserve.engine.config import EngineConfig
     from ppserve.scheduler.sampling_params import SamplingParams
     from ppserve.server.app import ServerOptions
@@ -92,6 +93,34 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         type=int,
         default=3,
         help="failed stages replaced per 10 minutes before the engine gives up (default 3; 0: never replace)",
+    )
+    cluster = p.add_argument_group("multi-node (the same command on every node, each with its own --node-rank)")
+    cluster.add_argument("--nnodes", type=int, default=1, help="nodes the stages are spread over (default 1)")
+    cluster.add_argument(
+        "--node-rank", type=int, default=0, help="this node: 0 runs the host (HTTP, scheduler) and its stages"
+    )
+    cluster.add_argument(
+        "--dist-init-addr", default=None, metavar="HOST:PORT", help="node 0's address for the nodes to meet at"
+    )
+    cluster.add_argument(
+        "--stages-per-node", default=None, metavar="COUNTS", help="e.g. 1,2,1 (default: even, the rest on later nodes)"
+    )
+    cluster.add_argument(
+        "--node-addr",
+        default=None,
+        help="this node's address: its sockets bind it, the others connect to it (default: the local address "
+        "of the route to --dist-init-addr)",
+    )
+    cluster.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="the cluster's shared secret, the same file on every node (or env PPSERVE_CLUSTER_KEY)",
+    )
+    cluster.add_argument(
+        "--insecure-cluster",
+        action="store_true",
+        help="run a multi-node cluster without a key: anyone who can reach the nodes can drive them",
     )
     p.add_argument(
         "--synthetic-latency",
@@ -242,6 +271,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    if args.nnodes == 1 and args.node_rank == 0:
+        return None
+    from ppserve.engine.cluster import ClusterConfig
+    from ppserve.transport.cluster_key import load_key
+
+    key = load_key(args.cluster_key_file)
+    if key is not None and args.insecure_cluster:
+        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    # Who joins, who is refused and why: said on the terminal of every node.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ppserve.cluster").setLevel(logging.INFO)
+    return ClusterConfig.create(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        pp_size=args.pp_size,
+        dist_init_addr=args.dist_init_addr,
+        stages_per_node=args.stages_per_node,
+        node_addr=args.node_addr,
+        key=key,
+        insecure=args.insecure_cluster,
+    )
+
+
 def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: int = 4096) -> EngineConfig:
     from ppserve.engine.config import EngineConfig
 
@@ -264,13 +317,34 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         synthetic_latency=args.synthetic_latency,
         stage_timeout_s=args.stage_timeout,
         max_stage_restarts=args.max_stage_restarts,
+        cluster=_cluster_config(args),
     )
+
+
+def _serve_node(config: EngineConfig) -> None:
+    """Node R > 0 of a cluster: run this node's stages until node 0 stops the cluster."""
+    from ppserve.engine.node_agent import run_node
+
+    print(
+        f"ppserve: node {config.cluster.node_rank if config.cluster else 0} of a cluster; the host is node 0",
+        flush=True,
+    )
+    code = 0
+
+    async def node() -> None:
+        nonlocal code
+        code = await run_node(config)
+
+    _run(node())
+    sys.exit(code)
 
 
 def _generate(args: argparse.Namespace) -> None:
     from ppserve.scheduler.sampling_params import SamplingParams
 
     config = _engine_config(args, args.model)
+    if config.cluster is not None and not config.cluster.is_host:
+        _serve_node(config)
     max_tokens = args.max_tokens
     if max_tokens is None:
         max_tokens = config.model_config.max_new_tokens or GENERATE_MAX_TOKENS
@@ -348,6 +422,8 @@ def _serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.node_rank > 0:  # no HTTP here: node 0 serves it
+        _serve_node(_engine_config(args, args.model or _demo_model()))
     sockets = bind_http(args.host, args.port)
     try:
         _serve_on(args, api_key, sockets)
@@ -356,14 +432,17 @@ def _serve(args: argparse.Namespace) -> None:
             sock.close()
 
 
-def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socket.socket]) -> None:
-    from ppserve.server.app import ServerOptions
+def _demo_model() -> str:
     from ppserve.server.demo import demo_checkpoint
 
-    model = args.model
-    if model is None:
-        print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
-        model = str(demo_checkpoint())
+    print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
+    return str(demo_checkpoint())
+
+
+def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socket.socket]) -> None:
+    from ppserve.server.app import ServerOptions
+
+    model = args.model or _demo_model()
     config = _engine_config(args, model, args.max_waiting_requests)
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,

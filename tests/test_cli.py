@@ -19,6 +19,8 @@ from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.cli import build_parser
 
+CLUSTER_AT = ["--dist-init-addr", "127.0.0.1:29999"]
+
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     if args[:1] == ("generate",):
@@ -115,6 +117,27 @@ def test_stop_string(llama_dir: Path) -> None:
         (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
         (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),
+        (["--prompt", "x", "--pp-size", "2", "--nnodes", "2"], "needs --dist-init-addr HOST:PORT"),
+        (["--prompt", "x", "--pp-size", "2", "--nnodes", "2", "--dist-init-addr", "nope"], "expected HOST:PORT"),
+        (["--prompt", "x", "--pp-size", "2", "--nnodes", "2", *CLUSTER_AT], "needs a shared secret"),
+        (["--prompt", "x", "--pp-size", "2", "--nnodes", "3", *CLUSTER_AT, "--insecure-cluster"], "every node needs"),
+        (["--prompt", "x", "--pp-size", "2", "--nnodes", "2", "--node-rank", "2", *CLUSTER_AT], "--node-rank must be"),
+        (
+            [
+                "--prompt",
+                "x",
+                "--pp-size",
+                "2",
+                "--nnodes",
+                "2",
+                *CLUSTER_AT,
+                "--insecure-cluster",
+                "--stages-per-node",
+                "2",
+            ],
+            "--stages-per-node '2' must name one count",
+        ),
+        (["--prompt", "x", "--nnodes", "2", *CLUSTER_AT, "--cluster-key-file", "/no/such/key"], "cannot read"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message: str) -> None:
@@ -122,6 +145,21 @@ def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_cluster_key_and_rendezvous_address_errors(llama_dir: Path, tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("a-cluster-secret-for-the-cli")
+    cluster = ["--pp-size", "2", "--nnodes", "2", "--cluster-key-file", str(key)]
+    res = run_cli("generate", "--model", str(llama_dir), "--prompt", "x", *cluster, *CLUSTER_AT, "--insecure-cluster")
+    assert res.returncode == 2 and "exclude each other" in res.stderr, res.stderr
+    with socket.socket() as taken:  # node 0 cannot run the rendezvous store on a port in use
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        at = f"127.0.0.1:{taken.getsockname()[1]}"
+        res = run_cli("generate", "--model", str(llama_dir), "--prompt", "x", *cluster, "--dist-init-addr", at)
+    assert res.returncode == 1 and f"cannot listen on --dist-init-addr {at}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:

@@ -48,7 +48,8 @@ def test_channel_for_shared_gpus() -> None:
     assert not shares_a_gpu((0, 1)) and shares_a_gpu((0, 0, 1))
     assert resolve_kind("auto", "cuda", same_host=True) == "nccl"
     assert resolve_kind("auto", "cuda", same_host=True, shared_gpu=True) == "shm"  # NCCL refuses two ranks on one GPU
-    assert resolve_kind("auto", "cuda", same_host=False, shared_gpu=True) == "gloo"
+    assert resolve_kind("auto", "cuda", same_host=False, shared_gpu=True) == "zmq"
+    assert resolve_kind("auto", "cpu", same_host=False) == "gloo"
     with pytest.raises(ValueError, match="each stage on its own GPU"):
         resolve_kind("nccl", "cuda", same_host=True, shared_gpu=True)
     assert resolve_kind("auto", "cpu", same_host=True) == "shm"

@@ -1,7 +1,8 @@
 """Every ZeroMQ address of one engine, derived in one place.
 
-On one host: `ipc://` sockets in a private temp dir (mode 0700, removed on close). Across hosts
-(or when asked): `tcp://` on each stage's host, ports counted up from a base port.
+On one host: `ipc://` sockets in a private temp dir (mode 0700, removed on close). Across nodes:
+`tcp://` on each node's own address, with ports its owner picked; node 0 hands the list to every
+node when they join (a `Layout`, engine/rendezvous.py).
 
 Who binds: the host binds its inbox and one plan socket per stage; stage i+1 binds the edge from
 stage i. Everyone else connects.
@@ -15,74 +16,64 @@ import socket
 import tempfile
 from dataclasses import dataclass
 
+from ppserve.transport.messages import Layout
+
 
 @dataclass(frozen=True)
 class Addresses:
-    pp_size: int
+    inbox_addr: str
+    plan_addrs: tuple[str, ...]
+    edge_addrs: tuple[str, ...]  # edge i: stage i -> stage i + 1
     ipc_dir: str | None = None  # set for ipc://
-    host: str = "127.0.0.1"  # tcp: the host process's address
-    stage_hosts: tuple[str, ...] = ()  # tcp: one address per stage
-    base_port: int = 0  # tcp: host inbox at base_port, plans at +1.., edges after those
 
     @classmethod
     def ipc(cls, pp_size: int) -> Addresses:
         path = tempfile.mkdtemp(prefix="ppserve-")
         os.chmod(path, 0o700)
-        return cls(pp_size=pp_size, ipc_dir=path)
+        return cls(
+            inbox_addr=f"ipc://{path}/host",
+            plan_addrs=tuple(f"ipc://{path}/plans-{i}" for i in range(pp_size)),
+            edge_addrs=tuple(f"ipc://{path}/edge-{i}" for i in range(pp_size - 1)),
+            ipc_dir=path,
+        )
 
     @classmethod
-    def tcp(cls, pp_size: int, host: str, stage_hosts: tuple[str, ...], base_port: int = 0) -> Addresses:
-        if len(stage_hosts) != pp_size:
-            raise ValueError(f"need one host per stage: {pp_size} stages, {len(stage_hosts)} hosts")
-        if base_port == 0:
-            base_port = free_port_block(2 * pp_size)
-        return cls(pp_size=pp_size, host=host, stage_hosts=stage_hosts, base_port=base_port)
-
-    @property
-    def is_ipc(self) -> bool:
-        return self.ipc_dir is not None
-
-    def _addr(self, name: str, host: str, offset: int) -> str:
-        if self.ipc_dir is not None:
-            return f"ipc://{self.ipc_dir}/{name}"
-        return f"tcp://{host}:{self.base_port + offset}"
+    def from_layout(cls, layout: Layout) -> Addresses:
+        return cls(layout.host_inbox, tuple(layout.plans), tuple(layout.edges))
 
     def host_inbox(self) -> str:
         """Stages -> host: ready, results, heartbeats, failures."""
-        return self._addr("host", self.host, 0)
+        return self.inbox_addr
 
     def plans(self, stage: int) -> str:
         """Host -> stage: StepPlans and shutdown."""
-        return self._addr(f"plans-{stage}", self.host, 1 + stage)
+        return self.plan_addrs[stage]
 
     def edge(self, stage: int) -> str:
         """Stage `stage` -> stage `stage + 1`: headers (and, for the zmq channel, tensors)."""
-        host = self.stage_hosts[stage + 1] if self.stage_hosts else self.host
-        return self._addr(f"edge-{stage}", host, 1 + self.pp_size + stage)
+        return self.edge_addrs[stage]
 
     def cleanup(self) -> None:
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """A base port with `n` consecutive free ports (best effort: checked, then released)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no block of {n} free ports on {host}")
+def tcp_address(host: str, port: int | str) -> str:
+    """`port` "*": any free port, picked by the OS at bind (the socket's `address` says which)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` ports that are free on `host` now (best effort: checked, then released; the OS hands
+    out ephemeral ports in turn, so they stay free for the moment until their owner binds them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()

@@ -1,7 +1,8 @@
 """Small typed ZeroMQ sockets for the control plane (zmq.asyncio, PUSH/PULL).
 
 Each socket has one owner task that reads it; bind or connect is explicit at construction.
-LINGER is 0 so that closing never blocks on a peer that has gone away.
+LINGER is 0 so that closing never blocks on a peer that has gone away. Across machines a `Guard`
+(transport/cluster_key.py) puts the socket under the cluster key: CURVE, and refusals logged.
 """
 
 from __future__ import annotations
@@ -9,24 +10,40 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from ppserve.transport.messages import ControlMsg, Msg, decode, encode
 
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
+
 
 def context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context()
 
 
+def _open(sock: zmq.asyncio.Socket, address: str, bind: bool, guard: Guard | None) -> str:
+    """Bind or connect; returns the address (with the port the OS picked for a "*" port)."""
+    if guard is not None:
+        guard.keys.apply(sock, server=bind)
+    if not bind:
+        sock.connect(address)
+        return address
+    sock.bind(address)
+    if guard is not None:
+        guard.watch(sock)
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
 class PushSocket:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool) -> None:
-        self.address = address
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool, guard: Guard | None = None) -> None:
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on queue depth: plans are few
-        self.sock.bind(address) if bind else self.sock.connect(address)
+        self.address = _open(self.sock, address, bind, guard)
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
         self._pending: deque[bytes] = deque()  # send_nowait messages waiting for a peer, in order
         self._flusher: asyncio.Task[None] | None = None
@@ -70,12 +87,11 @@ class PushSocket:
 
 
 class PullSocket:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool) -> None:
-        self.address = address
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool, guard: Guard | None = None) -> None:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(address) if bind else self.sock.connect(address)
+        self.address = _open(self.sock, address, bind, guard)
 
     async def recv(self) -> ControlMsg:
         frame: zmq.Frame = await self.sock.recv(copy=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,10 +19,15 @@ import zmq.asyncio
 from ppserve.transport.messages import EdgeHeader
 from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel
 
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
+
 
 class DistChannel(TensorChannel):
-    def __init__(self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> None:
-        super().__init__(ctx, spec, sender=sender)
+    def __init__(
+        self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+    ) -> None:
+        super().__init__(ctx, spec, sender=sender, guard=guard)
         if not dist.is_initialized():
             raise RuntimeError(f"{spec.kind} channel: torch.distributed is not initialised in this process")
         self.peer = spec.dst if sender else spec.src
@@ -60,16 +66,26 @@ def init_process_group(
     port: int,
     timeout_s: float = 60,
     device_id: torch.device | None = None,
+    store_prefix: str | None = None,
 ) -> None:
     """Join the stages' group. `device_id` (the stage's GPU, for nccl) binds the group to that
-    device, so NCCL sets up at once rather than inside the first send."""
+    device, so NCCL sets up at once rather than inside the first send. `store_prefix`: meet
+    through the existing store at master:port (a cluster's rendezvous store, run by the host),
+    under this prefix; else rank 0 starts a store there."""
     from datetime import timedelta
 
+    timeout = timedelta(seconds=timeout_s)
+    if store_prefix is None:
+        dist.init_process_group(
+            backend=kind,
+            init_method=f"tcp://{master}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
+        return
+    store = dist.PrefixStore(store_prefix, dist.TCPStore(master, port, is_master=False, timeout=timeout))
     dist.init_process_group(
-        backend=kind,
-        init_method=f"tcp://{master}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-        device_id=device_id,
+        backend=kind, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )

@@ -6,9 +6,12 @@ in the handshake so that mismatched processes fail at start-up, not mid-run.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -124,6 +127,25 @@ class Shutdown(Msg, frozen=True):
     pass
 
 
+class NodeHeartbeat(Msg, frozen=True):
+    """A node's agent -> the host, every 0.2 s: the node (not just its stages) is reachable."""
+
+    node: int
+
+
+class NodeStageExited(Msg, frozen=True):
+    """A node's agent -> the host: one of its stage processes ended without being asked to."""
+
+    node: int
+    stage: int
+    pid: int
+    exitcode: int | None
+
+
+class HostHeartbeat(Msg, frozen=True):
+    """The host -> each node's agent, every 0.2 s: a node whose host is silent stops its stages."""
+
+
 class EdgeHeader(msgspec.Struct, frozen=True, array_like=True):
     """Sent stage i -> i+1 with each micro-batch's activations (the tensor itself travels by the
     tensor channel): the micro-batch id for an order check, upstream timings, and for the shm
@@ -134,7 +156,49 @@ class EdgeHeader(msgspec.Struct, frozen=True, array_like=True):
     slot: int = -1
 
 
-ControlMsg = StepPlan | StepResult | StageReady | StageFailed | Heartbeat | Reset | ResetDone | Shutdown
+class NodeJoin(msgspec.Struct, frozen=True):
+    """A node -> the host through the rendezvous store: who it is, what it loaded, where it listens."""
+
+    node: int
+    addr: str
+    hostname: str
+    proof: str  # HMAC of the session, node and address with the cluster key ("" without one)
+    fingerprint: dict[str, str]  # of its local checkpoint (engine/fingerprint.py)
+    settings: dict[str, str]  # what every node must agree on (EngineConfig.cluster_settings)
+    control: str  # the node agent's control socket (host -> node)
+    edges: dict[int, str]  # stage -> the address its inbound edge binds
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """The host -> every node: all ZeroMQ addresses of the pipeline."""
+
+    host_inbox: str
+    plans: list[str]
+    edges: list[str]  # edge i: stage i -> stage i + 1
+    controls: list[str]  # per node ("" for node 0)
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """The host's answer to a NodeJoin: an error, or the layout (with an HMAC, as the store is open)."""
+
+    error: str = ""
+    layout: Layout | None = None
+    proof: str = ""
+
+
+ControlMsg = (
+    StepPlan
+    | StepResult
+    | StageReady
+    | StageFailed
+    | Heartbeat
+    | Reset
+    | ResetDone
+    | Shutdown
+    | NodeHeartbeat
+    | NodeStageExited
+    | HostHeartbeat
+)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMsg)
 _header_decoder = msgspec.msgpack.Decoder(EdgeHeader)
@@ -146,6 +210,16 @@ def encode(msg: Msg | EdgeHeader) -> bytes:
 
 def decode(data: bytes | memoryview) -> ControlMsg:
     return _decoder.decode(data)
+
+
+def encode_struct(obj: msgspec.Struct) -> str:
+    """JSON text, for the rendezvous store's values."""
+    return msgspec.json.encode(obj).decode()
+
+
+def decode_struct(data: bytes | str, kind: type[S]) -> S:
+    """Raises msgspec.DecodeError on anything that is not a `kind`."""
+    return msgspec.json.decode(data, type=kind)
 
 
 def decode_header(data: bytes | memoryview) -> EdgeHeader:

@@ -12,6 +12,8 @@ and the count starts again with nothing in flight, so the argument holds within 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import zmq
 import zmq.asyncio
@@ -19,10 +21,15 @@ import zmq.asyncio
 from ppserve.transport.messages import EdgeHeader, encode
 from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel
 
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
+
 
 class ShmChannel(TensorChannel):
-    def __init__(self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> None:
-        super().__init__(ctx, spec, sender=sender)
+    def __init__(
+        self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+    ) -> None:
+        super().__init__(ctx, spec, sender=sender, guard=guard)
         self._seq = 0  # micro-batches sent: the next slot is _seq % slots
 
     def _ring(self) -> torch.Tensor:

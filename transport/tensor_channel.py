@@ -9,19 +9,24 @@ Kinds (`--tensor-transport`):
   shm   same host: a ring of slots in shared memory per edge, the header is the doorbell.
   gloo  torch.distributed point-to-point on CPU; nccl: the same on CUDA.
   zmq   the tensor as a zero-copy frame next to the header (works across hosts).
-  auto  nccl when stages are on CUDA, shm when all stages share a host, else gloo.
+  auto  per edge: nccl between CUDA stages (each on its own GPU), shm within a node, else gloo
+        between CPU nodes (zmq between CUDA nodes whose GPUs are shared within a node).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq.asyncio
 
 from ppserve.transport.control import PullSocket, PushSocket
 from ppserve.transport.messages import EdgeHeader, decode_header, encode
+
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
 
 KINDS = ("auto", "shm", "gloo", "nccl", "zmq")
 
@@ -38,29 +43,35 @@ class ChannelSpec:
 
 
 def resolve_kind(kind: str, device: str, same_host: bool, shared_gpu: bool = False) -> str:
-    """`auto`: nccl between CUDA stages each on its own GPU; otherwise shm within a host (on a
-    shared GPU, through host memory) and gloo across hosts."""
+    """One edge's kind. `same_host`: both ends on one node; `shared_gpu`: some GPU of the
+    pipeline holds two stages (NCCL then refuses the whole group). `auto`: nccl between CUDA
+    stages each on its own GPU; otherwise shm within a node (on a shared GPU, through host
+    memory), and across nodes gloo on CPU or zmq on CUDA."""
     if kind not in KINDS:
         raise ValueError(f"tensor transport must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "auto":
         if device == "cuda" and not shared_gpu:
             return "nccl"
-        return "shm" if same_host else "gloo"
+        if same_host:
+            return "shm"
+        return "zmq" if device == "cuda" else "gloo"
     if kind == "nccl" and device != "cuda":
         raise ValueError("tensor transport 'nccl' needs --device cuda")
     if kind == "nccl" and shared_gpu:
         raise ValueError("tensor transport 'nccl' needs each stage on its own GPU (NCCL refuses two on one)")
     if kind == "shm" and not same_host:
-        raise ValueError("tensor transport 'shm' needs all stages on one host")
+        raise ValueError("tensor transport 'shm' works within one node only (use auto, gloo or zmq across nodes)")
     return kind
 
 
 class TensorChannel(ABC):
-    def __init__(self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+    ) -> None:
         self.spec = spec
         self.sender = sender
-        self.push = PushSocket(ctx, spec.address, bind=False) if sender else None
-        self.pull = None if sender else PullSocket(ctx, spec.address, bind=True)
+        self.push = PushSocket(ctx, spec.address, bind=False, guard=guard) if sender else None
+        self.pull = None if sender else PullSocket(ctx, spec.address, bind=True, guard=guard)
 
     async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
         assert self.push is not None, "send on the receiving end"
@@ -94,18 +105,21 @@ class TensorChannel(ABC):
             self.pull.close()
 
 
-def open_channel(ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool) -> TensorChannel:
-    """One end of an edge: `sender` for rank `spec.src`, else for rank `spec.dst`."""
+def open_channel(
+    ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+) -> TensorChannel:
+    """One end of an edge: `sender` for rank `spec.src`, else for rank `spec.dst`; `guard`: the
+    cluster key, across nodes."""
     if spec.kind == "shm":
         from ppserve.transport.shm_channel import ShmChannel
 
-        return ShmChannel(ctx, spec, sender=sender)
+        return ShmChannel(ctx, spec, sender=sender, guard=guard)
     if spec.kind in ("gloo", "nccl"):
         from ppserve.transport.dist_channel import DistChannel
 
-        return DistChannel(ctx, spec, sender=sender)
+        return DistChannel(ctx, spec, sender=sender, guard=guard)
     if spec.kind == "zmq":
         from ppserve.transport.zmq_channel import ZmqChannel
 
-        return ZmqChannel(ctx, spec, sender=sender)
+        return ZmqChannel(ctx, spec, sender=sender, guard=guard)
     raise ValueError(f"unknown tensor channel kind {spec.kind!r}")

@@ -1,0 +1,92 @@
+"""The host's view of the other nodes of a cluster: their stages and whether they are there.
+
+A stage on another node is not a child of the host, so its death cannot be seen with waitpid.
+Each node's agent (engine/node_agent.py) sends a NodeHeartbeat every 0.2 s and reports a stage
+process that ends; the host sends each agent a HostHeartbeat just as often. A node silent for
+`NODE_TIMEOUT_S` (killed, or its link cut) is lost: the engine fails what is in flight, naming
+the node and its stages. The agent of a node that no longer hears the host stops its stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq.asyncio
+
+from ppserve.transport.cluster_key import Guard
+from ppserve.transport.control import PushSocket
+from ppserve.transport.messages import HostHeartbeat, NodeJoin, Shutdown
+
+BEAT_S = 0.2
+NODE_TIMEOUT_S = 1.2  # six beats: well inside the 2 s in which requests in flight must fail
+
+
+class RemoteStage:
+    """A stage process on another node: what StagePool asks of a local process, answered from
+    its node's reports (it is stopped by its node's agent, not by the host)."""
+
+    exitcode: int | None = None
+
+    def __init__(self, stage: int, node: int, addr: str) -> None:
+        self.stage = stage
+        self.node = node
+        self.addr = addr
+        self.pid: int | None = None  # known from its StageReady
+        self.gone = ""  # why it is no longer there
+
+    def claim(self, pid: int) -> bool:
+        """Whether a message from process `pid` is this stage's (the first one names it)."""
+        if self.pid is None:
+            self.pid = pid
+        return self.pid == pid
+
+    def is_alive(self) -> bool:
+        return not self.gone
+
+    def kill(self) -> None:
+        self.gone = self.gone or "stopped by the host"
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"stage {self.stage} on node {self.node} ({self.addr}, pid {self.pid or '?'})"
+
+
+class RemoteNodes:
+    def __init__(self, ctx: zmq.asyncio.Context, joins: dict[int, NodeJoin], guard: Guard | None) -> None:
+        self.joins = joins
+        self.controls = {n: PushSocket(ctx, j.control, bind=False, guard=guard) for n, j in joins.items()}
+        self.seen = dict.fromkeys(joins, time.monotonic())
+        self.lost: set[int] = set()
+
+    def heard(self, node: int) -> None:
+        self.seen[node] = time.monotonic()
+
+    def refresh(self) -> None:
+        """The host itself was not running: the nodes' silence says nothing about them."""
+        now = time.monotonic()
+        self.seen = dict.fromkeys(self.seen, now)
+
+    def newly_lost(self) -> list[tuple[int, float]]:
+        """Nodes silent past the timeout, each reported once: (node, seconds silent)."""
+        now = time.monotonic()
+        lost = [(n, now - t) for n, t in self.seen.items() if n not in self.lost and now - t > NODE_TIMEOUT_S]
+        self.lost.update(n for n, _ in lost)
+        return lost
+
+    async def beat(self) -> None:
+        while True:
+            for sock in self.controls.values():
+                sock.send_nowait(HostHeartbeat())
+            await asyncio.sleep(BEAT_S)
+
+    def shutdown(self) -> None:
+        """Every node's agent stops its stages (after letting them drain for a moment)."""
+        for sock in self.controls.values():
+            sock.send_nowait(Shutdown())
+
+    def close(self, linger_ms: int = 0) -> None:
+        for sock in self.controls.values():
+            sock.close(linger_ms)

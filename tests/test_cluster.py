@@ -1,0 +1,229 @@
+"""Multi-node pieces without a network: stage placement, per-edge transports, checkpoint
+fingerprints, the cluster key (CURVE on loopback sockets) and the rendezvous (in one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ppserve.engine.cluster import ClusterConfig, parse_host_port, split_stages
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.fingerprint import checkpoint_fingerprint, describe_mismatch
+from ppserve.engine.model_config import ConfigError
+from ppserve.engine.rendezvous import HostRendezvous, RendezvousError, join_cluster
+from ppserve.transport.addresses import free_ports
+from ppserve.transport.cluster_key import CurveKeys, Guard, load_key, proof, proof_matches
+from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.messages import Heartbeat, Layout
+
+KEY = b"a-cluster-secret-of-some-length"
+
+
+def cluster(node_rank: int = 0, nnodes: int = 3, pp: int = 4, key: bytes | None = KEY, **kw: object) -> ClusterConfig:
+    port = kw.pop("port", 29500)
+    return ClusterConfig.create(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        pp_size=pp,
+        dist_init_addr=f"127.0.0.1:{port}",
+        key=key,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_split_stages() -> None:
+    assert split_stages(4, 3) == [1, 1, 2]  # the rest on later nodes: node 0 also runs the host
+    assert split_stages(4, 2) == [2, 2]
+    assert split_stages(4, 3, "1,2,1") == [1, 2, 1]
+    for spec in ("1,2", "0,2,2", "1,1,1", "a,b,c"):
+        with pytest.raises(ConfigError, match="--stages-per-node"):
+            split_stages(4, 3, spec)
+    with pytest.raises(ConfigError, match="every node needs one"):
+        split_stages(2, 3)
+
+
+def test_cluster_config() -> None:
+    c = cluster(node_rank=1, stages_per_node="1,2,1")
+    assert c.stage_nodes == (0, 1, 1, 2) and c.local_stages == [1, 2] and not c.is_host
+    assert c.node_addr == "127.0.0.1"  # the route to --dist-init-addr
+    assert "a-cluster-secret" not in repr(c)
+    assert parse_host_port("[fd00::1]:29500") == ("fd00::1", 29500)
+    for bad in ("10.0.0.1", "10.0.0.1:x", ":29500", "10.0.0.1:70000"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            parse_host_port(bad)
+    with pytest.raises(ConfigError, match="--node-rank"):
+        cluster(node_rank=3)
+    with pytest.raises(ConfigError, match="cluster-key-file"):
+        cluster(key=None)
+    assert cluster(key=None, insecure=True).key is None
+    with pytest.raises(ConfigError, match="--dist-init-addr"):
+        ClusterConfig.create(nnodes=2, node_rank=0, pp_size=2, dist_init_addr=None, key=KEY)
+
+
+def test_edge_transports_per_edge(llama_dir: Path) -> None:
+    c = cluster(stages_per_node="1,2,1")
+    auto = EngineConfig.create(llama_dir, pp_size=4, cluster=c)
+    assert auto.edge_transports == ("gloo", "shm", "gloo") and auto.process_group == "gloo"
+    assert auto.tensor_transport == "gloo+shm"
+    zmq_only = EngineConfig.create(llama_dir, pp_size=4, cluster=c, tensor_transport="zmq")
+    assert zmq_only.edge_transports == ("zmq",) * 3 and zmq_only.process_group is None
+    with pytest.raises(ConfigError, match="within one node"):
+        EngineConfig.create(llama_dir, pp_size=4, cluster=c, tensor_transport="shm")
+    with pytest.raises(ConfigError, match="places 4 stages"):
+        EngineConfig.create(llama_dir, pp_size=2, cluster=c)
+    one_host = EngineConfig.create(llama_dir, pp_size=4)
+    assert one_host.edge_transports == ("shm",) * 3 and one_host.cluster is None
+    assert auto.cluster_settings() != EngineConfig.create(llama_dir, pp_size=4, cluster=cluster()).cluster_settings()
+
+
+def test_fingerprint(llama_dir: Path, sharded_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_dir, copy)
+    mine = checkpoint_fingerprint(llama_dir)
+    assert checkpoint_fingerprint(copy) == mine
+    assert describe_mismatch(mine, checkpoint_fingerprint(copy)) is None
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    mismatch = describe_mismatch(mine, checkpoint_fingerprint(copy))
+    assert mismatch is not None and mismatch.startswith("config.json differs")
+    sharded = checkpoint_fingerprint(sharded_dir)  # the index file, for a sharded checkpoint
+    assert describe_mismatch(mine, sharded) == describe_mismatch(mine, sharded)  # stable
+    assert sharded["weights"] != mine["weights"]
+    with pytest.raises(ConfigError, match="cannot fingerprint"):
+        checkpoint_fingerprint(tmp_path / "missing")
+
+
+def test_load_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "key"
+    path.write_text(KEY.decode() + "\n")
+    assert load_key(str(path)) == KEY
+    monkeypatch.delenv("PPSERVE_CLUSTER_KEY", raising=False)
+    assert load_key(None) is None
+    monkeypatch.setenv("PPSERVE_CLUSTER_KEY", "from-the-environment-0123")
+    assert load_key(None) == b"from-the-environment-0123"
+    path.write_text("short")
+    with pytest.raises(ValueError, match="at least 16"):
+        load_key(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_key(str(tmp_path / "missing"))
+
+
+def test_proof_is_bound_to_its_parts() -> None:
+    tag = proof(KEY, "session", "1")
+    assert proof_matches(KEY, tag, "session", "1")
+    assert not proof_matches(KEY, tag, "session", "2")
+    assert not proof_matches(b"another-secret-entirely!", tag, "session", "1")
+
+
+async def test_curve_refuses_and_logs_peers_without_the_key(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="ppserve.cluster")
+    keys = CurveKeys.from_secret(KEY)
+    server_ctx, peer_ctx = context(), context()
+    guard = Guard(server_ctx, keys, "host")
+    pull = PullSocket(server_ctx, "tcp://127.0.0.1:*", bind=True, guard=guard)
+    intruders = []
+    other_public, other_secret = zmq.curve_keypair()
+    for kind in ("plain", "other secret", "own keypair"):
+        sock = peer_ctx.socket(zmq.PUSH)
+        sock.linger = 0
+        if kind == "other secret":
+            CurveKeys.from_secret(b"not-the-cluster-secret-at-all").apply(sock, server=False)
+        elif kind == "own keypair":  # knows the server's public key, but not the secret
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = other_secret, other_public, keys.public
+        sock.connect(pull.address)
+        intruders.append(sock)
+    for sock in intruders:
+        await sock.send(b"\x92\xa9Heartbeat\x63")  # anything: it never arrives
+    member = PushSocket(peer_ctx, pull.address, bind=False, guard=Guard(peer_ctx, keys, "stage 1"))
+    await member.send(Heartbeat(1))
+    assert await asyncio.wait_for(pull.recv(), 10) == Heartbeat(1)
+    for _ in range(100):  # the three refusals are logged (the monitor runs on this loop)
+        if sum("refused a connection" in r.message for r in caplog.records) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    refused = [r.message for r in caplog.records if "refused a connection" in r.message]
+    assert len(refused) >= 3 and all(m.startswith("host: ") for m in refused)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pull.recv(), 0.3)  # nothing from the intruders got through
+    for sock in intruders:
+        sock.close()
+    member.close()
+    pull.close()
+    guard.stop()
+    server_ctx.term()
+    peer_ctx.destroy(linger=0)
+
+
+LAYOUT = Layout("tcp://127.0.0.1:1", ["tcp://127.0.0.1:2"] * 4, ["e0", "e1", "e2"], ["", "c1", "c2"])
+
+
+async def _meet(host_cfg: ClusterConfig, nodes: list[ClusterConfig], settings: list[dict[str, str]]) -> list[object]:
+    """Node 0 admits the others; returns what each side ended with (a layout or an error)."""
+    host = HostRendezvous(host_cfg, timeout_s=10)
+    fp = {"config.json": "a", "weights": "b"}
+
+    async def admit() -> object:
+        try:
+            await host.admit(fp, {"pp_size": "4"})
+        except RendezvousError as e:
+            return e
+        host.publish(LAYOUT)
+        return LAYOUT
+
+    async def join(c: ClusterConfig, s: dict[str, str]) -> object:
+        try:
+            layout, _ = await join_cluster(c, fp, s, f"c{c.node_rank}", {}, timeout_s=10)
+            return layout
+        except RendezvousError as e:
+            return e
+
+    results = await asyncio.gather(admit(), *(join(c, s) for c, s in zip(nodes, settings, strict=True)))
+    host.close()
+    return list(results)
+
+
+async def test_rendezvous_admits_nodes_with_the_key() -> None:
+    port = free_ports(1)[0]
+    nodes = [cluster(node_rank=r, port=port) for r in (1, 2)]
+    results = await _meet(cluster(port=port), nodes, [{"pp_size": "4"}] * 2)
+    assert results == [LAYOUT, LAYOUT, LAYOUT]
+
+
+@pytest.mark.parametrize(
+    ("node_key", "settings", "host_says", "node_says"),
+    [
+        (b"the-wrong-secret-0123456789", {"pp_size": "4"}, "its cluster key differs", "its cluster key differs"),
+        (None, {"pp_size": "4"}, "it has no cluster key", "it has no cluster key"),
+        (KEY, {"pp_size": "3"}, "pp_size 4 on node 0, 3 there", "settings differ"),
+    ],
+)
+async def test_rendezvous_refuses_by_name(
+    node_key: bytes | None, settings: dict[str, str], host_says: str, node_says: str
+) -> None:
+    port = free_ports(1)[0]
+    node = cluster(node_rank=1, nnodes=2, pp=4, port=port, key=node_key, insecure=node_key is None)
+    host_result, node_result = await _meet(cluster(nnodes=2, port=port), [node], [settings])
+    assert isinstance(host_result, RendezvousError) and host_says in str(host_result)
+    assert "refused node 1 (127.0.0.1" in str(host_result)
+    assert isinstance(node_result, RendezvousError) and node_says in str(node_result)
+    assert str(node_result).startswith("node 0 refused this node")
+
+
+async def test_rendezvous_names_missing_nodes() -> None:
+    port = free_ports(1)[0]
+    host = HostRendezvous(cluster(port=port), timeout_s=0.5)
+    with pytest.raises(RendezvousError, match=r"node\(s\) 1, 2 did not join within"):
+        await host.admit({}, {})
+    host.close()
+
+
+async def test_node_waits_for_node_0_then_gives_up() -> None:
+    port = free_ports(1)[0]
+    with pytest.raises(RendezvousError, match="not reachable"):
+        await join_cluster(cluster(node_rank=1, port=port), {}, {}, "c", {}, timeout_s=0.5)

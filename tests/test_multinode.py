@@ -1,0 +1,266 @@
+"""Multi-node pipelines on one machine: every node is its own network namespace (tests/netns.py).
+
+Three nodes run `ppserve` as a user would, the same command on each: node 0 = host + stage 0,
+node 1 = stages 1-2, node 2 = stage 3. Tokens must equal a one-stage run; a wrong key and a
+differing checkpoint are refused by name; a node killed or cut off mid-generation fails the
+request with an error naming it, turns /health red, and leaves no process on any node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from netns import Cluster, Unavailable
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The pipeline", "Stages on three nodes", "a b c d e f g h i j k l m n o p"]
+PORT = 29500
+HTTP_PORT = 8000
+WAIT_S = 120.0
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    try:
+        c = Cluster.create(3)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield c
+    finally:
+        c.close()
+        assert not Cluster.existing(c.prefix), "network namespaces left behind"
+
+
+@pytest.fixture(scope="module")
+def key_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("keys")
+    good, bad = root / "good.key", root / "bad.key"
+    good.write_text("a-cluster-secret-for-the-tests\n")
+    bad.write_text("another-secret-that-differs-from-it\n")
+    return good, bad
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+class Node:
+    """One node's `ppserve` process, its output collected line by line."""
+
+    def __init__(self, cluster: Cluster, rank: int, argv: list[str]) -> None:
+        self.rank = rank
+        self.proc = cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output:
+            assert self.proc.poll() is None or text in self.output, f"node {self.rank} exited:\n{self.output}"
+            assert time.monotonic() < deadline, f"node {self.rank} never said {text!r}:\n{self.output}"
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float = WAIT_S) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PPSERVE_CLUSTER_KEY", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def ppserve(command: str, model: Path, rank: int, key: Path | None, *flags: str) -> list[str]:
+    argv = [sys.executable, "-m", "ppserve.server.cli", command, "--model", str(model), "--pp-size", "4"]
+    argv += ["--nnodes", "3", "--node-rank", str(rank), "--dist-init-addr", f"198.18.0.1:{PORT}"]
+    argv += ["--stages-per-node", "1,2,1"]
+    argv += ["--cluster-key-file", str(key)] if key else ["--insecure-cluster"]
+    return argv + list(flags)
+
+
+def generate_flags(prompts: Path, *extra: str) -> list[str]:
+    return ["--prompts-file", str(prompts), "--max-tokens", "12", "--temperature", "0", "--json", *extra]
+
+
+def reference(model: Path, prompts: Path) -> list[list[int]]:
+    argv = [sys.executable, "-m", "ppserve.server.cli", "generate", "--model", str(model), *generate_flags(prompts)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=_env(), check=True).stdout
+    return [json.loads(line)["token_ids"] for line in out.splitlines()]
+
+
+def tokens(node: Node) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in node.lines if line.startswith("{")]
+
+
+def assert_no_processes(cluster: Cluster, nodes: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {n: _pids(cluster, n) for n in nodes}
+        if not any(left.values()):
+            return
+        assert time.monotonic() < deadline, f"processes left on nodes: {left}"
+        time.sleep(0.1)
+
+
+def _pids(cluster: Cluster, node: int) -> list[str]:
+    return subprocess.run(
+        ["ip", "netns", "pids", cluster.nodes[node]], capture_output=True, text=True, timeout=10
+    ).stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("transport", "order"),
+    [("auto", "host last"), ("gloo", "node 2 late"), ("zmq", "host first")],
+)
+def test_three_nodes_match_one_stage(
+    cluster: Cluster,
+    llama_dir: Path,
+    key_files: tuple[Path, Path],
+    prompts_file: Path,
+    transport: str,
+    order: str,
+) -> None:
+    """auto: gloo between nodes and shm inside node 1; gloo and zmq everywhere."""
+    flags = [*generate_flags(prompts_file), "--tensor-transport", transport]
+
+    def start(rank: int) -> Node:
+        at = ["--node-addr", cluster.addr(rank)] if transport == "zmq" else []  # else found from the route
+        return Node(cluster, rank, ppserve("generate", llama_dir, rank, key_files[0], *flags, *at))
+
+    if order == "host last":
+        others = [start(1), start(2)]
+        for node in others:
+            node.wait_for("waiting for node 0")
+        host = start(0)
+    elif order == "node 2 late":
+        host, node1 = start(0), start(1)
+        host.wait_for("node 1 joined")
+        time.sleep(5.0)  # the scenario itself: node 2 comes up five seconds after the others
+        others = [node1, start(2)]
+    else:
+        host = start(0)
+        host.wait_for("waiting for node(s) 1, 2")
+        others = [start(1), start(2)]
+    assert host.wait() == 0, host.output
+    for node in others:
+        assert node.wait(30) == 0, node.output
+        assert "joined" in node.output
+    assert tokens(host) == reference(llama_dir, prompts_file)
+    assert_no_processes(cluster, [0, 1, 2])
+
+
+def test_wrong_cluster_key_is_refused(
+    cluster: Cluster, llama_dir: Path, key_files: tuple[Path, Path], prompts_file: Path
+) -> None:
+    good, bad = key_files
+    flags = generate_flags(prompts_file)
+    host = Node(cluster, 0, ppserve("generate", llama_dir, 0, good, *flags))
+    intruder = Node(cluster, 1, ppserve("generate", llama_dir, 1, bad, *flags))
+    node2 = Node(cluster, 2, ppserve("generate", llama_dir, 2, good, *flags))
+    assert host.wait() == 1
+    assert "refused node 1 (198.18.0.2" in host.output and "cluster key differs" in host.output, host.output
+    assert intruder.wait() == 1
+    assert "node 0 refused this node: its cluster key differs from node 0's" in intruder.output, intruder.output
+    assert node2.wait() == 1, node2.output
+    assert "Traceback" not in host.output + intruder.output + node2.output
+    assert_no_processes(cluster, [0, 1, 2])
+
+
+def test_differing_checkpoint_is_refused(
+    cluster: Cluster, llama_dir: Path, key_files: tuple[Path, Path], prompts_file: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10
+    (other / "config.json").write_text(json.dumps(config))
+    flags = generate_flags(prompts_file)
+    host = Node(cluster, 0, ppserve("generate", llama_dir, 0, key_files[0], *flags))
+    node1 = Node(cluster, 1, ppserve("generate", llama_dir, 1, key_files[0], *flags))
+    node2 = Node(cluster, 2, ppserve("generate", other, 2, key_files[0], *flags))
+    assert host.wait() == 1 and node2.wait() == 1 and node1.wait() == 1
+    assert "refused node 2 (198.18.0.3" in host.output and "config.json differs" in host.output, host.output
+    assert "node 0 refused this node: its checkpoint differs from node 0's: config.json differs" in node2.output
+    assert_no_processes(cluster, [0, 1, 2])
+
+
+CLIENT = r"""
+import http.client, json, sys, time
+conn = http.client.HTTPConnection("198.18.0.1", %(port)d, timeout=60)
+body = {"model": "m", "prompt": "tell me everything", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+resp = conn.getresponse()
+print(json.dumps({"status": resp.status}), flush=True)
+for raw in resp:
+    line = raw.decode().strip()
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        continue
+    event = json.loads(line[6:])
+    out = {"error": event["error"]} if "error" in event else {"token": 1}
+    print(json.dumps({"t": time.monotonic(), **out}), flush=True)
+    if "error" in event:
+        break
+health = http.client.HTTPConnection("198.18.0.1", %(port)d, timeout=10)
+health.request("GET", "/health")
+print(json.dumps({"health": health.getresponse().status}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["node killed", "link cut"])
+def test_lost_node_fails_requests_by_name(
+    cluster: Cluster, llama_dir: Path, key_files: tuple[Path, Path], fault: str
+) -> None:
+    flags = ["--host", "198.18.0.1", "--port", str(HTTP_PORT), "--no-playground", "--served-model-name", "m"]
+    host = Node(cluster, 0, ppserve("serve", llama_dir, 0, key_files[0], *flags))
+    nodes = [Node(cluster, r, ppserve("serve", llama_dir, r, key_files[0], *flags)) for r in (1, 2)]
+    host.wait_for("ppserve: serving")
+    client = Node(cluster, 0, [sys.executable, "-c", CLIENT % {"port": HTTP_PORT}])
+    client.wait_for('"token"', 60)
+    time.sleep(0.5)  # mid-generation: tokens are flowing
+    faulted_at = time.monotonic()
+    if fault == "node killed":
+        for pid in _pids(cluster, 2):
+            os.kill(int(pid), signal.SIGKILL)
+    else:
+        cluster.link(2, up=False)
+    assert client.wait(30) == 0, client.output
+    events = [json.loads(line) for line in client.lines if line.startswith("{")]
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert errors and "node 2" in errors[0] and "stage 3" in errors[0], client.output
+    assert events[-1] == {"health": 503}, client.output
+    failed_at = next(e["t"] for e in events if "error" in e)
+    print(f"{fault}: the request failed {failed_at - faulted_at:.2f} s later: {errors[0]}")
+    # Node 1 is told to stop; node 2 stops by itself once it no longer hears node 0 (or was killed).
+    assert_no_processes(cluster, [1, 2])
+    host.proc.send_signal(signal.SIGTERM)
+    assert host.wait(30) == 0, host.output
+    assert_no_processes(cluster, [0])
+    assert nodes[0].wait(5) == 0, nodes[0].output
