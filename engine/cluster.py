@@ -54,6 +54,8 @@ class ClusterConfig:
             )
         counts = split_stages(pp_size, nnodes, stages_per_node)
         stage_nodes = tuple(node for node, count in enumerate(counts) for _ in range(count))
+        if node_addr:
+            check_local(node_addr)
         return cls(
             nnodes=nnodes,
             node_rank=node_rank,
@@ -130,6 +132,18 @@ def interface_of(addr: str) -> str | None:
             if socket.inet_ntoa(raw[20:24]) == addr:
                 return name
     return None
+
+
+def check_local(addr: str) -> None:
+    """`--node-addr` must be an IP address of this machine: its sockets bind it."""
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        socket.inet_pton(family, addr)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+    except OSError as e:
+        reason = e.strerror or "not an IP address"
+        raise ConfigError(f"--node-addr {addr!r} is not an IP address of this machine ({reason})") from None
 
 
 def route_source(host: str, port: int) -> str:

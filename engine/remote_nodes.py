@@ -4,19 +4,23 @@ A stage on another node is not a child of the host, so its death cannot be seen 
 Each node's agent (engine/node_agent.py) sends a NodeHeartbeat every 0.2 s and reports a stage
 process that ends; the host sends each agent a HostHeartbeat just as often. A node silent for
 `NODE_TIMEOUT_S` (killed, or its link cut) is lost: the engine fails what is in flight, naming
-the node and its stages. The agent of a node that no longer hears the host stops its stages.
+the node and its stages. The agent of a node that no longer hears the host stops its stages, so
+the host's heartbeats come from a thread of their own: a busy event loop on the host (a long
+tokenization, a pause) must not look like a host that is gone.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import queue
+import threading
 import time
 
+import zmq
 import zmq.asyncio
 
-from ppserve.transport.cluster_key import Guard
-from ppserve.transport.control import PushSocket
-from ppserve.transport.messages import HostHeartbeat, NodeJoin, Shutdown
+from ppserve.transport.cluster_key import CurveKeys
+from ppserve.transport.messages import HostHeartbeat, NodeJoin, Shutdown, encode
 
 BEAT_S = 0.2
 NODE_TIMEOUT_S = 1.2  # six beats: well inside the 2 s in which requests in flight must fail
@@ -55,11 +59,17 @@ class RemoteStage:
 
 
 class RemoteNodes:
-    def __init__(self, ctx: zmq.asyncio.Context, joins: dict[int, NodeJoin], guard: Guard | None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, joins: dict[int, NodeJoin], keys: CurveKeys | None) -> None:
         self.joins = joins
-        self.controls = {n: PushSocket(ctx, j.control, bind=False, guard=guard) for n, j in joins.items()}
         self.seen = dict.fromkeys(joins, time.monotonic())
         self.lost: set[int] = set()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(
+            ctx.underlying
+        )  # plain sockets, owned by the beat thread
+        self._keys = keys
+        self._orders: queue.SimpleQueue[str] = queue.SimpleQueue()  # "shutdown", then "close"
+        self._thread = threading.Thread(target=self._beat, name="node-heartbeat", daemon=True)
+        self._thread.start()
 
     def heard(self, node: int) -> None:
         self.seen[node] = time.monotonic()
@@ -76,17 +86,35 @@ class RemoteNodes:
         self.lost.update(n for n, _ in lost)
         return lost
 
-    async def beat(self) -> None:
+    def _beat(self) -> None:
+        socks = []
+        for join in self.joins.values():
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if self._keys is not None:
+                self._keys.apply(sock, server=False)
+            sock.connect(join.control)
+            socks.append(sock)
+        heartbeat, shutdown, linger_ms = encode(HostHeartbeat()), encode(Shutdown()), 0
         while True:
-            for sock in self.controls.values():
-                sock.send_nowait(HostHeartbeat())
-            await asyncio.sleep(BEAT_S)
+            try:
+                order = self._orders.get(timeout=BEAT_S)
+            except queue.Empty:
+                order = "beat"
+            if order == "close":
+                break
+            linger_ms = 500 if order == "shutdown" else linger_ms  # let the Shutdown go out
+            for sock in socks:
+                with contextlib.suppress(zmq.Again):  # not connected (yet, or any more): nothing to tell
+                    sock.send(shutdown if order == "shutdown" else heartbeat, zmq.NOBLOCK)
+        for sock in socks:
+            sock.close(linger=linger_ms)
 
     def shutdown(self) -> None:
         """Every node's agent stops its stages (after letting them drain for a moment)."""
-        for sock in self.controls.values():
-            sock.send_nowait(Shutdown())
+        self._orders.put("shutdown")
 
-    def close(self, linger_ms: int = 0) -> None:
-        for sock in self.controls.values():
-            sock.close(linger_ms)
+    def close(self) -> None:
+        """Before the context is terminated."""
+        self._orders.put("close")
+        self._thread.join(timeout=5.0)

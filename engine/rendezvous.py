@@ -135,7 +135,7 @@ class HostRendezvous:
         key = self.cluster.key
         if key is None and join.proof:
             return "it has a cluster key and node 0 runs with --insecure-cluster"
-        if key is not None and not (join.proof and proof_matches(key, join.proof, self.session, str(join.node))):
+        if key is not None and not (join.proof and proof_matches(key, join.proof, *_join_parts(self.session, join))):
             return "its cluster key differs from node 0's" if join.proof else "it has no cluster key and node 0 has one"
         if mismatch := describe_mismatch(fingerprint, join.fingerprint):
             return f"its checkpoint differs from node 0's: {mismatch}"
@@ -191,25 +191,31 @@ async def join_cluster(
         node=cluster.node_rank,
         addr=cluster.node_addr,
         hostname=socket.gethostname(),
-        proof=proof(key, session, str(cluster.node_rank)) if key else "",
+        proof="",
         fingerprint=fingerprint,
         settings=settings,
         control=control,
         edges=edges,
     )
+    if key is not None:
+        join = msgspec.structs.replace(join, proof=proof(key, *_join_parts(session, join)))
     verdict_key = _key(f"verdict/{cluster.node_rank}")
+    # Store calls block: they run in a thread, each within a few seconds (node 0 may vanish).
+    store.set_timeout(timedelta(seconds=5))
     try:
-        store.set(_key(f"node/{cluster.node_rank}"), encode_struct(join))
-        while not store.check([verdict_key]):
+        await asyncio.to_thread(store.set, _key(f"node/{cluster.node_rank}"), encode_struct(join))
+        while not await asyncio.to_thread(store.check, [verdict_key]):
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"node 0 at {where} gave no answer within {timeout_s:.0f} s (is it still waiting for other nodes?)"
                 )
             await asyncio.sleep(0.05)
-        verdict = decode_struct(store.get(verdict_key), Verdict)
-        store.set(_key(f"read/{cluster.node_rank}"), "1")
+        verdict = decode_struct(await asyncio.to_thread(store.get, verdict_key), Verdict)
+        await asyncio.to_thread(store.set, _key(f"read/{cluster.node_rank}"), "1")
     except dist.DistError:
         raise RendezvousError(f"node 0 at {where} went away during start-up (see its log for why)") from None
+    except msgspec.DecodeError:
+        raise RendezvousError(f"node 0's answer in the store at {where} is not a ppserve verdict") from None
     if verdict.error:
         raise RendezvousError(f"node 0 refused this node: {verdict.error}")
     layout = verdict.layout
@@ -218,6 +224,11 @@ async def join_cluster(
     ):
         raise RendezvousError(f"the answer from {where} is not signed with this node's cluster key; ignoring it")
     return layout, store
+
+
+def _join_parts(session: str, join: NodeJoin) -> tuple[str, str, str]:
+    """What a join's HMAC covers: this start-up, the node, and everything else it says."""
+    return session, str(join.node), encode_struct(msgspec.structs.replace(join, proof=""))
 
 
 def _digest(layout: Layout) -> str:

@@ -116,7 +116,8 @@ class StagePool:
         self._dist_port = 0
         self._handshakes: asyncio.Queue[Handshake] = asyncio.Queue()
         self._handshaking = False  # start-up or replacement: `_handshake` watches the stages itself
-        self._reported: set[int] = set()  # pids whose failure was reported (or that we killed)
+        # Processes whose failure was reported (or that we killed), as (node, pid): pids repeat across nodes.
+        self._reported: set[tuple[int, int]] = set()
         self._deferred: tuple[StageError, float] | None = None  # a cluster's failure, until its deadline
         self.rendezvous: HostRendezvous | None = None
 
@@ -139,7 +140,7 @@ class StagePool:
                 key=self.config.cluster.key if self.config.cluster else None,
             )
         )
-        self._reported.discard(proc.pid or 0)  # a pid the OS reused from a process reported before
+        self._reported.discard(self._id(stage, proc.pid))  # a pid the OS reused from a process reported before
         if stage < len(self.procs):
             self.procs[stage] = proc
         else:
@@ -187,8 +188,7 @@ class StagePool:
         controls = [""] + [joins[n].control for n in range(1, cluster.nnodes)]
         layout = Layout(self.addresses.host_inbox(), list(self.addresses.plan_addrs), edges, controls)
         self.addresses = Addresses.from_layout(layout)
-        self.nodes = RemoteNodes(self.ctx, joins, self.guard)
-        self.tasks["node heartbeat"] = asyncio.create_task(self.nodes.beat())
+        self.nodes = RemoteNodes(self.ctx, joins, self.keys)
         rendezvous.publish(layout)
 
     async def replace(self, stage: int, first_mb: int) -> list[int]:
@@ -214,7 +214,7 @@ class StagePool:
         self.plan_socks[stage].discard_pending()  # plans that never reached the old process
         proc = self.procs[stage]
         if proc.pid is not None:
-            self._reported.add(proc.pid)
+            self._reported.add(self._id(stage, proc.pid))
         if proc.is_alive():
             proc.kill()  # SIGKILL also ends a stopped (hung) process
         deadline = time.monotonic() + 5.0
@@ -265,6 +265,9 @@ class StagePool:
             now = time.monotonic()
             self.last_seen = [now] * self.config.pp_size
 
+    def _id(self, stage: int, pid: int | None) -> tuple[int, int]:
+        return (self.config.cluster.stage_nodes[stage] if self.config.cluster else 0, pid or 0)
+
     def _owns(self, stage: int, pid: int) -> bool:
         """Whether a message from process `pid` comes from the current process of `stage`."""
         proc = self.procs[stage]
@@ -274,15 +277,15 @@ class StagePool:
         """A stage died during a handshake: its own message (sent just before it exited) if it
         comes soon, else its exit code."""
         proc = self.procs[stage]
-        self._reported.add(proc.pid or 0)
-        if isinstance(proc, RemoteStage):
-            raise StageError(f"{proc.describe()}: {proc.gone}", stage, fatal=True)
+        self._reported.add(self._id(stage, proc.pid))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.5):
                 while True:
                     msg = await self._handshakes.get()
-                    if isinstance(msg, StageFailed) and msg.pid == proc.pid:
+                    if isinstance(msg, StageFailed) and msg.stage == stage and self._owns(stage, msg.pid):
                         raise StageError(f"stage {stage} {msg.error}", stage)
+        if isinstance(proc, RemoteStage):
+            raise StageError(f"{proc.describe()}: {proc.gone}", stage, fatal=True)
         raise StageError(f"stage {stage} (pid {proc.pid}) exited during start-up (exit code {proc.exitcode})", stage)
 
     # ---- serving --------------------------------------------------------------------------
@@ -336,7 +339,7 @@ class StagePool:
                 continue
             self._report_deferred()
             for i, proc in enumerate(self.procs):
-                if proc.pid in self._reported:
+                if self._id(i, proc.pid) in self._reported:
                     continue
                 if isinstance(proc, RemoteStage) and not proc.is_alive():
                     self._report(StageError(f"{proc.describe()} is gone: {proc.gone}", i), proc.pid)
@@ -367,16 +370,18 @@ class StagePool:
         is fatal, and the other nodes are told to stop their stages. There a stage's own error
         (say, its connection to the next node broke) waits a node timeout first: if a node is
         lost meanwhile, that is the cause to report, not the neighbour that noticed it."""
-        if pid in self._reported:
+        assert error.stage is not None
+        if self._id(error.stage, pid) in self._reported:
             return
-        self._reported.add(pid or 0)
+        self._reported.add(self._id(error.stage, pid))
         if self.config.cluster is None:
             self.on_failure(error)
             return
         error.fatal = True
         lost = any(isinstance(p, RemoteStage) and not p.is_alive() for p in self.procs)
-        if not lost and self._deferred is None:
-            self._deferred = (error, time.monotonic() + NODE_TIMEOUT_S + 2 * MONITOR_S)
+        if not lost:
+            if self._deferred is None:  # the first one waits; later ones are its consequences
+                self._deferred = (error, time.monotonic() + NODE_TIMEOUT_S + 2 * MONITOR_S)
             return
         self._deferred = None
         self.abandon()
@@ -392,8 +397,8 @@ class StagePool:
     def abandon(self) -> None:
         """A cluster that lost a stage cannot serve: stop every stage on every node now (the
         host process and its server stay, reporting the engine dead)."""
-        for proc in self.procs:
-            self._reported.add(proc.pid or 0)
+        for stage, proc in enumerate(self.procs):
+            self._reported.add(self._id(stage, proc.pid))
             if proc.is_alive():
                 proc.kill()
         if self.nodes is not None:
@@ -434,7 +439,7 @@ class StagePool:
         for sock in self.plan_socks:
             sock.close(linger_ms)
         if self.nodes is not None:
-            self.nodes.close(linger_ms)
+            self.nodes.close()
         if self.guard is not None:
             self.guard.stop()
         self.ctx.term()

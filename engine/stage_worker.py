@@ -82,20 +82,36 @@ class StageLaunch:
 @dataclass(frozen=True)
 class _Span:
     """When a micro-batch computed on this stage. On CUDA the call returns once the kernels are
-    queued, so the span is measured by two CUDA events instead; they are read in the send task
-    (which waits for the output anyway), never with a synchronize on the compute thread."""
+    queued, so the span comes from CUDA events around them instead, placed on the wall clock
+    through a reference event (`_GpuClock`). They are read in the send task (which waits for the
+    output anyway), never with a synchronize on the compute thread."""
 
     start: float  # time.time() when the compute began
     end: float  # ... and when the call returned
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    clock: _GpuClock | None = None
 
     def timing(self, stage: int) -> Timing:
         """Blocks until the kernels are done, on CUDA (call it off the event loop there)."""
-        if self.events is None:
+        if self.events is None or self.clock is None:
             return Timing(stage, self.start, self.end)
         begin, finish = self.events
         finish.synchronize()
-        return Timing(stage, self.start, self.start + begin.elapsed_time(finish) / 1e3)
+        return Timing(stage, self.clock.wall(begin), self.clock.wall(finish))
+
+
+class _GpuClock:
+    """Wall-clock times of CUDA events: one reference event, recorded and waited for once at
+    start-up, when time.time() is read too; later events are that time plus their distance."""
+
+    def __init__(self) -> None:
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record()
+        self.ref.synchronize()
+        self.at = time.time()
+
+    def wall(self, event: torch.cuda.Event) -> float:
+        return self.at + self.ref.elapsed_time(event) / 1e3
 
 
 def _init_compute_thread(threads: int, gpu: int | None) -> None:
@@ -150,6 +166,7 @@ class StageWorker:
             initargs=(launch.threads, self.gpu),
         )
         self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see _Span)
+        self._gpu_clock: _GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
@@ -259,6 +276,8 @@ class StageWorker:
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.compute_pool, _make_runner, self.config, self.stage)
+        if self.gpu is not None and self.config.synthetic_latency is None:
+            self._gpu_clock = await loop.run_in_executor(self.compute_pool, _GpuClock)
         profile: list[tuple[int, int, float]] = []
         if self.config.dynamic_chunking:
             profile = await loop.run_in_executor(self.compute_pool, self._profile)
@@ -307,7 +326,7 @@ class StageWorker:
             plan, header, hidden = item
             start = time.time()
             out, events = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
-            span = _Span(start, time.time(), events)
+            span = _Span(start, time.time(), events, self._gpu_clock)
             await outputs.put((plan, header.timings if header else [], span, out))
         await outputs.put(None)
 
@@ -317,13 +336,13 @@ class StageWorker:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
         events around the layers' kernels (see _Span)."""
         events = None
-        if self.gpu is not None:
+        if self._gpu_clock is not None:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         out = self.runner.execute(plan.chunks, hidden)
-        if events is not None:
-            events[1].record()
         if not self.last:
+            if events is not None:
+                events[1].record()
             return out, events
         # Released requests have nothing in flight any more; drop them first, since a new
         # request in this very plan may reuse an id.
@@ -336,6 +355,8 @@ class StageWorker:
             Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
             for rid, s in zip(ids, self.sampler.sample(ids, out), strict=True)
         ]
+        if events is not None:
+            events[1].record()  # after sampling, which is part of this stage's time
         return samples, events
 
     async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:

@@ -38,12 +38,13 @@ class Cluster:
         self.procs: list[subprocess.Popen[Any]] = []
 
     @classmethod
-    def create(cls, size: int) -> Cluster:
+    def create(cls, size: int, wired: bool = True) -> Cluster:
+        """`wired` False: namespaces with loopback only, for another network (tests/tun_switch.py)."""
         if os.geteuid() != 0 or shutil.which("ip") is None:
             raise Unavailable("network namespaces need root and iproute2 (ip)")
         cluster = cls(size)
         try:
-            cluster._build()
+            cluster._build() if wired else cluster._build_unwired()
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             cluster.close()
             stderr = getattr(e, "stderr", b"") or b""
@@ -60,6 +61,12 @@ class Cluster:
             _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _build_unwired(self) -> None:
+        _ip("netns", "add", self.switch)  # unused; keeps close() and existing() uniform
+        for ns in self.nodes:
+            _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
 
     def addr(self, node: int) -> str:

@@ -7,20 +7,23 @@ import asyncio
 import json
 import logging
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
+import torch.distributed as dist
 import zmq
 
 from ppserve.engine.cluster import ClusterConfig, parse_host_port, split_stages
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.fingerprint import checkpoint_fingerprint, describe_mismatch
 from ppserve.engine.model_config import ConfigError
-from ppserve.engine.rendezvous import HostRendezvous, RendezvousError, join_cluster
+from ppserve.engine.rendezvous import HostRendezvous, RendezvousError, _join_parts, join_cluster
 from ppserve.transport.addresses import free_ports
 from ppserve.transport.cluster_key import CurveKeys, Guard, load_key, proof, proof_matches
 from ppserve.transport.control import PullSocket, PushSocket, context
-from ppserve.transport.messages import Heartbeat, Layout
+from ppserve.transport.messages import Heartbeat, Layout, NodeJoin, encode, encode_struct
 
 KEY = b"a-cluster-secret-of-some-length"
 
@@ -93,8 +96,10 @@ def test_fingerprint(llama_dir: Path, sharded_dir: Path, tmp_path: Path) -> None
     mismatch = describe_mismatch(mine, checkpoint_fingerprint(copy))
     assert mismatch is not None and mismatch.startswith("config.json differs")
     sharded = checkpoint_fingerprint(sharded_dir)  # the index file, for a sharded checkpoint
-    assert describe_mismatch(mine, sharded) == describe_mismatch(mine, sharded)  # stable
-    assert sharded["weights"] != mine["weights"]
+    assert checkpoint_fingerprint(sharded_dir) == sharded
+    assert describe_mismatch(mine, sharded) == (
+        f"weights differs ({mine['weights']} here, {sharded['weights']} there)"
+    )  # same config.json, weights laid out differently
     with pytest.raises(ConfigError, match="cannot fingerprint"):
         checkpoint_fingerprint(tmp_path / "missing")
 
@@ -121,43 +126,39 @@ def test_proof_is_bound_to_its_parts() -> None:
     assert not proof_matches(b"another-secret-entirely!", tag, "session", "1")
 
 
-async def test_curve_refuses_and_logs_peers_without_the_key(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("intruder", ["plain", "other secret", "own keypair"])
+async def test_curve_refuses_and_logs_peers_without_the_key(intruder: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="ppserve.cluster")
     keys = CurveKeys.from_secret(KEY)
     server_ctx, peer_ctx = context(), context()
-    guard = Guard(server_ctx, keys, "host")
+    guard, peer_guard = Guard(server_ctx, keys, "host"), Guard(peer_ctx, keys, "stage 1")
     pull = PullSocket(server_ctx, "tcp://127.0.0.1:*", bind=True, guard=guard)
-    intruders = []
-    other_public, other_secret = zmq.curve_keypair()
-    for kind in ("plain", "other secret", "own keypair"):
-        sock = peer_ctx.socket(zmq.PUSH)
-        sock.linger = 0
-        if kind == "other secret":
-            CurveKeys.from_secret(b"not-the-cluster-secret-at-all").apply(sock, server=False)
-        elif kind == "own keypair":  # knows the server's public key, but not the secret
-            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = other_secret, other_public, keys.public
-        sock.connect(pull.address)
-        intruders.append(sock)
-    for sock in intruders:
-        await sock.send(b"\x92\xa9Heartbeat\x63")  # anything: it never arrives
-    member = PushSocket(peer_ctx, pull.address, bind=False, guard=Guard(peer_ctx, keys, "stage 1"))
+    sock = peer_ctx.socket(zmq.PUSH)
+    sock.linger = 0
+    if intruder == "other secret":
+        CurveKeys.from_secret(b"not-the-cluster-secret-at-all").apply(sock, server=False)
+    elif intruder == "own keypair":  # knows the server's public key, but not the secret
+        public, secret = zmq.curve_keypair()
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, keys.public
+    sock.connect(pull.address)
+    await sock.send(encode(Heartbeat(66)))  # a well-formed message: it never arrives
+    member = PushSocket(peer_ctx, pull.address, bind=False, guard=peer_guard)
     await member.send(Heartbeat(1))
     assert await asyncio.wait_for(pull.recv(), 10) == Heartbeat(1)
-    for _ in range(100):  # the three refusals are logged (the monitor runs on this loop)
-        if sum("refused a connection" in r.message for r in caplog.records) >= 3:
+    for _ in range(100):  # the refusal is logged (the monitor runs on this loop)
+        if any("refused a connection" in r.message for r in caplog.records):
             break
         await asyncio.sleep(0.05)
     refused = [r.message for r in caplog.records if "refused a connection" in r.message]
-    assert len(refused) >= 3 and all(m.startswith("host: ") for m in refused)
+    assert refused and refused[0].startswith(f"host: refused a connection on {pull.address}")
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(pull.recv(), 0.3)  # nothing from the intruders got through
-    for sock in intruders:
-        sock.close()
-    member.close()
-    pull.close()
+        await asyncio.wait_for(pull.recv(), 0.3)  # nothing from the intruder got through
+    for s in (sock, member, pull):
+        s.close()
     guard.stop()
+    peer_guard.stop()
     server_ctx.term()
-    peer_ctx.destroy(linger=0)
+    peer_ctx.term()
 
 
 LAYOUT = Layout("tcp://127.0.0.1:1", ["tcp://127.0.0.1:2"] * 4, ["e0", "e1", "e2"], ["", "c1", "c2"])
@@ -213,6 +214,24 @@ async def test_rendezvous_refuses_by_name(
     assert "refused node 1 (127.0.0.1" in str(host_result)
     assert isinstance(node_result, RendezvousError) and node_says in str(node_result)
     assert str(node_result).startswith("node 0 refused this node")
+
+
+@pytest.mark.parametrize("entry", ["tampered", "garbage"])
+async def test_rendezvous_refuses_forged_joins(entry: str) -> None:
+    """The store is open to anyone who reaches it: a join whose body does not match its HMAC
+    (a copied proof with another checkpoint), or that is not a join at all, is refused."""
+    port = free_ports(1)[0]
+    host = HostRendezvous(cluster(nnodes=2, port=port), timeout_s=10)
+    honest = NodeJoin(1, "127.0.0.1", "h", "", {"config.json": "a", "weights": "b"}, {"pp_size": "4"}, "c", {})
+    signed = msgspec.structs.replace(honest, proof=proof(KEY, *_join_parts(host.session, honest)))
+    forged = msgspec.structs.replace(signed, fingerprint={"config.json": "x", "weights": "y"})
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    store.set("ppserve/node/1", encode_struct(forged) if entry == "tampered" else "\u00e9 not json")
+    expected = "cluster key differs" if entry == "tampered" else "not a ppserve join"
+    with pytest.raises(RendezvousError, match=expected):
+        await host.admit({"config.json": "x", "weights": "y"}, {"pp_size": "4"})
+    del store
+    host.close()
 
 
 async def test_rendezvous_names_missing_nodes() -> None:

@@ -234,33 +234,41 @@ print(json.dumps({"health": health.getresponse().status}), flush=True)
 """
 
 
-@pytest.mark.parametrize("fault", ["node killed", "link cut"])
+@pytest.mark.parametrize("fault", ["last node killed", "middle node killed", "link cut"])
 def test_lost_node_fails_requests_by_name(
     cluster: Cluster, llama_dir: Path, key_files: tuple[Path, Path], fault: str
 ) -> None:
+    lost = 1 if fault == "middle node killed" else 2
     flags = ["--host", "198.18.0.1", "--port", str(HTTP_PORT), "--no-playground", "--served-model-name", "m"]
     host = Node(cluster, 0, ppserve("serve", llama_dir, 0, key_files[0], *flags))
-    nodes = [Node(cluster, r, ppserve("serve", llama_dir, r, key_files[0], *flags)) for r in (1, 2)]
+    nodes = {r: Node(cluster, r, ppserve("serve", llama_dir, r, key_files[0], *flags)) for r in (1, 2)}
     host.wait_for("ppserve: serving")
     client = Node(cluster, 0, [sys.executable, "-c", CLIENT % {"port": HTTP_PORT}])
-    client.wait_for('"token"', 60)
-    time.sleep(0.5)  # mid-generation: tokens are flowing
+    deadline = time.monotonic() + 60
+    while client.output.count('"token"') < 20:  # mid-generation: tokens are flowing
+        assert time.monotonic() < deadline and client.proc.poll() is None, client.output
+        time.sleep(0.02)
     faulted_at = time.monotonic()
-    if fault == "node killed":
-        for pid in _pids(cluster, 2):
-            os.kill(int(pid), signal.SIGKILL)
+    if fault == "link cut":
+        cluster.link(lost, up=False)
     else:
-        cluster.link(2, up=False)
+        for pid in _pids(cluster, lost):
+            os.kill(int(pid), signal.SIGKILL)
     assert client.wait(30) == 0, client.output
     events = [json.loads(line) for line in client.lines if line.startswith("{")]
     errors = [e["error"]["message"] for e in events if "error" in e]
-    assert errors and "node 2" in errors[0] and "stage 3" in errors[0], client.output
+    first_stage = {1: 1, 2: 3}[lost]
+    assert errors and f"stage {first_stage} on node {lost}" in errors[0], client.output
+    assert f"node {lost} is unreachable" in errors[0], client.output
     assert events[-1] == {"health": 503}, client.output
     failed_at = next(e["t"] for e in events if "error" in e)
     print(f"{fault}: the request failed {failed_at - faulted_at:.2f} s later: {errors[0]}")
-    # Node 1 is told to stop; node 2 stops by itself once it no longer hears node 0 (or was killed).
+    # The other node is told to stop; a node cut off stops by itself once it no longer hears node 0.
     assert_no_processes(cluster, [1, 2])
+    survivor = 3 - lost
+    assert nodes[survivor].wait(5) == 0, nodes[survivor].output
+    if fault == "link cut":
+        assert nodes[lost].wait(5) == 1 and "node 0 (198.18.0.1) is unreachable" in nodes[lost].output
     host.proc.send_signal(signal.SIGTERM)
     assert host.wait(30) == 0, host.output
     assert_no_processes(cluster, [0])
-    assert nodes[0].wait(5) == 0, nodes[0].output

@@ -11,6 +11,7 @@ stage i. Everyone else connects.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -64,16 +65,38 @@ def tcp_address(host: str, port: int | str) -> str:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` ports that are free on `host` now (best effort: checked, then released; the OS hands
-    out ephemeral ports in turn, so they stay free for the moment until their owner binds them)."""
+    """`n` ports that are free on `host` now, for sockets bound later (checked, then released).
+    They are taken from below the kernel's range for outgoing connections, whose ports it hands
+    out by itself (gloo's, the rendezvous store's) and could otherwise give away meanwhile."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    candidates = random.sample(range(10000, low), min(low - 10000, 50 * n)) if low > 10000 + n else []
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    # No room below the range: let the OS pick (best effort).
     socks = []
     try:
-        for _ in range(n):
+        for _ in range(n - len(ports)):
             sock = socket.socket(family, socket.SOCK_STREAM)
             socks.append(sock)
             sock.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
+        return ports + [int(s.getsockname()[1]) for s in socks]
     finally:
         for sock in socks:
             sock.close()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 ENV = "PPSERVE_CLUSTER_KEY"
 MIN_KEY_BYTES = 16
 ZAP_DOMAIN = "ppserve"
+LOG_EVERY_S = 10.0
 REFUSED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
@@ -63,7 +65,8 @@ def proof(key: bytes, *parts: str) -> str:
 
 
 def proof_matches(key: bytes, claimed: str, *parts: str) -> bool:
-    return hmac.compare_digest(proof(key, *parts), claimed)
+    """`claimed` comes from an open store: any text, compared in constant time as bytes."""
+    return hmac.compare_digest(proof(key, *parts).encode(), claimed.encode(errors="replace"))
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,23 @@ class Guard:
         self._monitors.append((asyncio.get_running_loop().create_task(self._report(monitor)), monitor))
 
     async def _report(self, monitor: zmq.asyncio.Socket) -> None:
+        """One line per socket and LOG_EVERY_S at most (a refused peer retries every 0.1 s)."""
+        logged_at, unlogged = -LOG_EVERY_S, 0
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
+            now = time.monotonic()
+            if now - logged_at < LOG_EVERY_S:
+                unlogged += 1
+                continue
+            more = f"; {unlogged} more since the last report" if unlogged else ""
             log.warning(
-                "%s: refused a connection on %s from a peer without the cluster key (%s)",
+                "%s: refused a connection on %s from a peer without the cluster key (%s%s)",
                 self.who,
                 event["endpoint"].decode(errors="replace"),
                 zmq.Event(event["event"]).name,
+                more,
             )
+            logged_at, unlogged = now, 0
 
     def stop(self) -> None:
         """Before the context is terminated (which waits for every socket to close)."""

@@ -94,12 +94,18 @@ class PullSocket:
         self.address = _open(self.sock, address, bind, guard)
 
     async def recv(self) -> ControlMsg:
-        frame: zmq.Frame = await self.sock.recv(copy=False)
-        return decode(frame.buffer)
+        frames = await self.recv_frames()
+        return decode(frames[0].buffer)
 
     async def recv_frames(self) -> list[zmq.Frame]:
-        frames: list[zmq.Frame] = await self.sock.recv_multipart(copy=False)
-        return frames
+        while True:
+            try:
+                frames: list[zmq.Frame] = await self.sock.recv_multipart(copy=False)
+                return frames
+            except zmq.Again:
+                # libzmq may report a socket readable when no whole message is there yet (seen
+                # with CURVE under load): nothing was taken, so wait for the next one.
+                continue
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -162,7 +162,7 @@ class NodeJoin(msgspec.Struct, frozen=True):
     node: int
     addr: str
     hostname: str
-    proof: str  # HMAC of the session, node and address with the cluster key ("" without one)
+    proof: str  # HMAC with the cluster key of the session and all the rest of this join ("" without a key)
     fingerprint: dict[str, str]  # of its local checkpoint (engine/fingerprint.py)
     settings: dict[str, str]  # what every node must agree on (EngineConfig.cluster_settings)
     control: str  # the node agent's control socket (host -> node)

@@ -86,14 +86,17 @@ class TensorChannel(ABC):
         unread: they were sent for plans that a pipeline reset voided. Channels whose tensors
         travel apart from the header (gloo, nccl) never see such leftovers: every stage is
         replaced together."""
+        header, frames = await self._next_header(skip_before)
+        await self._recv_into(header, frames, out)
+        return header
+
+    async def _next_header(self, skip_before: int) -> tuple[EdgeHeader, list[zmq.Frame]]:
         assert self.pull is not None, "recv on the sending end"
         while True:
             frames = await self.pull.recv_frames()
             header = decode_header(frames[0].buffer)
             if header.mb_id >= skip_before:
-                break
-        await self._recv_into(header, frames, out)
-        return header
+                return header, frames
 
     @abstractmethod
     async def _recv_into(self, header: EdgeHeader, frames: list[zmq.Frame], out: torch.Tensor) -> None: ...

@@ -1,0 +1,208 @@
+"""Multi-node benchmark, side by side in one run; writes benchmarks/results/multinode.json.
+
+PP=4 in one network namespace (one host, shm) against PP=4 over four namespaces, one stage
+each, with the cluster key, `--tensor-transport auto` (gloo between nodes; also zmq, whose
+activations travel with their header, CURVE-encrypted):
+  - "bridge": the kernel's veth pairs and bridge;
+  - "link +D ms": every packet between nodes held D ms each way by a switch in user space
+    (tests/tun_switch.py: kernel netem is missing here), for D = 0, 1 and 5.
+For each: decode tokens/s of one stream and of 16 concurrent streams (both greedy, prefill
+excluded), and the median per-hop latency of the single stream's decode micro-batches, from
+the stages' own timings (the machine has one clock): from the end of stage i's compute to the
+start of stage i+1's.
+
+    sudo .venv/bin/python scripts/bench_multinode.py [--quick]
+
+Needs root (network namespaces). All stages share this machine's cores, so the figures show
+what the network adds, not what four machines would do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from netns import Cluster, Unavailable  # noqa: E402
+from tun_switch import TunSwitch  # noqa: E402
+
+from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+
+# Small enough that a decode step is a few ms, so what the network adds shows.
+SPEC = TinySpec(arch="llama", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=768)
+HTTP = 8000
+PORT = 29500
+
+# Runs inside node 0's namespace: measures against the server there, prints one JSON object.
+CLIENT = r"""
+import asyncio, json, statistics, sys, time
+import aiohttp
+
+URL, STREAMS, TOKENS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+async def stream(session, i, tokens, stamps):
+    body = {"model": "m", "prompt": f"request {i} " + "word " * 24, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    async with session.post(URL + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                assert "error" not in line, line
+                stamps.append(time.perf_counter())
+
+async def decode_rate(session, streams, tokens):
+    stamps = [[] for _ in range(streams)]
+    await asyncio.gather(*(stream(session, i, tokens, stamps[i]) for i in range(streams)))
+    start = max(s[0] for s in stamps)  # every stream decoding from here on
+    after = sum(1 for s in stamps for t in s if t > start)
+    return after / (max(s[-1] for s in stamps) - start)
+
+async def main():
+    async with aiohttp.ClientSession() as session:
+        await decode_rate(session, 2, 8)  # warm-up
+        t0 = time.time()
+        single = await decode_rate(session, 1, TOKENS)
+        # Hops of the single stream: one micro-batch in flight, so no queueing in the figures.
+        async with session.get(URL + f"/debug/pipeline?since={t0}") as resp:
+            intervals = (await resp.json())["intervals"]
+        batch = await decode_rate(session, STREAMS, TOKENS)
+    print(json.dumps({"single": single, "batch": batch, "intervals": intervals}))
+
+asyncio.run(main())
+"""
+
+
+def hops(intervals: list[dict[str, Any]], pp: int) -> list[float]:
+    """Median ms per hop of decode micro-batches: stage i end -> stage i+1 start, i < pp - 1."""
+    by_mb: dict[int, dict[int, dict[str, Any]]] = {}
+    for i in intervals:
+        if i["kind"] == "decode":
+            by_mb.setdefault(i["mb_id"], {})[i["stage"]] = i
+    gaps: list[list[float]] = [[] for _ in range(pp - 1)]
+    for stages in by_mb.values():
+        if len(stages) == pp:
+            for s in range(pp - 1):
+                gaps[s].append(stages[s + 1]["start"] - stages[s]["end"])
+    return [round(statistics.median(g) * 1e3, 3) if g else float("nan") for g in gaps]
+
+
+def run(
+    cluster: Cluster, model: Path, key: Path, nodes: int, streams: int, tokens: int, transport: str
+) -> dict[str, Any]:
+    """Serve PP=4 over `nodes` namespaces (1: a single host), measure from node 0, stop."""
+    base = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(model), "--pp-size", "4"]
+    base += ["--tensor-transport", transport]
+    base += ["--served-model-name", "m", "--no-playground", "--log-level", "warning", "--kv-cache-gb", "0.25"]
+    host = "127.0.0.1" if nodes == 1 else cluster.addr(0)
+    procs = []
+    for rank in range(nodes):
+        argv = [*base, "--host", host, "--port", str(HTTP)]
+        if nodes > 1:
+            argv += ["--nnodes", str(nodes), "--node-rank", str(rank), "--dist-init-addr", f"{cluster.addr(0)}:{PORT}"]
+            argv += ["--cluster-key-file", str(key)]
+        procs.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        _wait_serving(procs[0])
+        url = f"http://{host}:{HTTP}"
+        client = subprocess.run(
+            ["ip", "netns", "exec", cluster.nodes[0], sys.executable, "-c", CLIENT, url, str(streams), str(tokens)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if client.returncode != 0:
+            node0 = procs[0].stdout.read() if procs[0].poll() is not None and procs[0].stdout else ""
+            raise RuntimeError(f"the client failed:\n{client.stderr[-3000:]}\n{node0[-3000:]}")
+        result = json.loads(client.stdout)
+        return {
+            "single_stream_tok_s": round(result["single"], 1),
+            "batch_tok_s": round(result["batch"], 1),
+            "hop_ms": hops(result["intervals"], 4),
+        }
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _wait_serving(proc: subprocess.Popen[str], timeout_s: float = 180.0) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        if "ppserve: serving" in line:
+            return
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError(f"node 0 did not start (exit code {proc.poll()})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer tokens")
+    args = parser.parse_args()
+    streams, tokens = 16, (32 if args.quick else 96)
+    work = Path(tempfile.mkdtemp(prefix="ppserve-bench-"))
+    model = make_tiny_checkpoint(work / "model", SPEC)
+    key = work / "cluster.key"
+    key.write_text(os.urandom(24).hex())
+    results: dict[str, Any] = {}
+    try:
+        # (name, nodes, one-way delay in ms through the user-space switch (None: the kernel's
+        # bridge), tensor transport)
+        setups: list[tuple[str, int, float | None, str]] = [
+            ("one namespace", 1, None, "auto"),
+            ("bridge", 4, None, "auto"),
+        ]
+        setups += [(f"link +{d} ms", 4, float(d), "auto") for d in (0, 1, 5)]
+        setups += [("bridge, zmq", 4, None, "zmq"), ("link +5 ms, zmq", 4, 5.0, "zmq")]
+        if only := os.environ.get("BENCH_ONLY"):  # one setup by name (and the baseline), for a quick look
+            setups = [s for s in setups if s[0] in (only, "one namespace")]
+        for name, nodes, delay_ms, transport in setups:
+            cluster = Cluster.create(4, wired=delay_ms is None)
+            addrs = [cluster.addr(i) for i in range(4)]
+            switch = None if delay_ms is None else TunSwitch(cluster.nodes, addrs, delay_ms / 1e3)
+            try:
+                results[name] = run(cluster, model, key, nodes, streams, tokens, transport)
+            finally:
+                if switch is not None:
+                    switch.close()
+                cluster.close()
+            print(f"{name:>14}: {results[name]}", flush=True)
+    except Unavailable as e:
+        sys.exit(f"bench_multinode: {e}")
+    one = results["one namespace"]
+    for r in results.values():
+        r["single_ratio"] = round(r["single_stream_tok_s"] / one["single_stream_tok_s"], 3)
+        r["batch_ratio"] = round(r["batch_tok_s"] / one["batch_tok_s"], 3)
+    out = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "model": {"hidden_size": SPEC.hidden_size, "layers": SPEC.num_layers, "pp_size": 4},
+        "streams": streams,
+        "tokens_per_stream": tokens,
+        "results": results,
+    }
+    path = ROOT / "benchmarks" / "results" / "multinode.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
