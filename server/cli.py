@@ -321,7 +321,7 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
     )
 
 
-def _serve_node(config: EngineConfig) -> None:
+def _serve_node(config: EngineConfig) -> NoReturn:
     """Node R > 0 of a cluster: run this node's stages until node 0 stops the cluster."""
     from ppserve.engine.node_agent import run_node
 
@@ -417,13 +417,13 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
 
 def _serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # no HTTP here (its flags, API key file included, are node 0's)
+        _serve_node(_engine_config(args, args.model or _demo_model()))
     # Before loading anything: a bad key file or a port in use fails in a moment, not after the
     # stages start.
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if args.node_rank > 0:  # no HTTP here: node 0 serves it
-        _serve_node(_engine_config(args, args.model or _demo_model()))
     sockets = bind_http(args.host, args.port)
     try:
         _serve_on(args, api_key, sockets)

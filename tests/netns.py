@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 SUBNET = "198.18.0"
@@ -100,3 +100,20 @@ class Cluster:
         """Namespaces whose names start with `prefix` (to check that none are left)."""
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
         return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+@contextlib.contextmanager
+def cluster_or_skip(size: int) -> Iterator[Cluster]:
+    """A test's cluster of `size` nodes, removed (and checked gone) afterwards; the test is
+    skipped, with the reason, where namespaces cannot be made."""
+    import pytest
+
+    try:
+        cluster = Cluster.create(size)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+    assert Cluster.existing(cluster.prefix) == [], "network namespaces left behind"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import Cluster, Unavailable
+from netns import Cluster, cluster_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +32,8 @@ WAIT_S = 120.0
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    try:
-        c = Cluster.create(3)
-    except Unavailable as e:
-        pytest.skip(str(e))
-    try:
+    with cluster_or_skip(3) as c:
         yield c
-    finally:
-        c.close()
-        assert not Cluster.existing(c.prefix), "network namespaces left behind"
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +265,16 @@ def test_lost_node_fails_requests_by_name(
     host.proc.send_signal(signal.SIGTERM)
     assert host.wait(30) == 0, host.output
     assert_no_processes(cluster, [0])
+
+
+def test_nodes_stop_when_node_0_is_killed(cluster: Cluster, llama_dir: Path, key_files: tuple[Path, Path]) -> None:
+    flags = ["--host", "198.18.0.1", "--port", str(HTTP_PORT), "--no-playground"]
+    host = Node(cluster, 0, ppserve("serve", llama_dir, 0, key_files[0], *flags))
+    nodes = [Node(cluster, r, ppserve("serve", llama_dir, r, key_files[0], *flags)) for r in (1, 2)]
+    host.wait_for("ppserve: serving")
+    for pid in _pids(cluster, 0):
+        os.kill(int(pid), signal.SIGKILL)
+    for node in nodes:  # each stops its stages once node 0 has been silent for 2 s
+        assert node.wait(30) == 1, node.output
+        assert "node 0 (198.18.0.1) is unreachable" in node.output
+    assert_no_processes(cluster, [0, 1, 2])

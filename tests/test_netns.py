@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from netns import Cluster, Unavailable
+from netns import Cluster, cluster_or_skip
 
 # A server on one node that answers one line; a client on another that sends one.
 SERVER = """
@@ -30,15 +30,8 @@ print(c.recv(100).decode())
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    try:
-        cluster = Cluster.create(2)
-    except Unavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-    assert Cluster.existing(cluster.prefix) == []
+    with cluster_or_skip(2) as c:
+        yield c
 
 
 def _ask(cluster: Cluster, node: int, addr: str) -> subprocess.CompletedProcess[str]:
