@@ -35,6 +35,9 @@ class Request:
     inflight_plans: int = 0
     awaiting_sample: bool = False
     announced: bool = False
+    # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its
+    # transfer is done (`Scheduler.release_held`).
+    hold_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

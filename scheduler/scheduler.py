@@ -60,6 +60,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.inflight: dict[int, _InFlight] = {}
+        # Disaggregation. Prefill side: finished requests whose KV is still being sent. Decode
+        # side: requests whose blocks are reserved while their KV arrives.
+        self.held: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
         self._next_mb = 0
         self._released: list[str] = []  # announced requests the last stage may forget
         self.num_preemptions = 0
@@ -87,7 +91,50 @@ class Scheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         r.finish_reason = reason
+        if self.receiving.pop(request_id, None) is not None:
+            self._free(r)  # its KV never arrived: nothing reads or writes the blocks here
+            return r
         self._finish(r)
+        return r
+
+    # ---- disaggregation -------------------------------------------------------------------
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill side: the KV of a finished `hold_kv` request has been sent (or its transfer
+        failed); its blocks are free now. False if there is no such request."""
+        r = self.held.pop(request_id, None)
+        if r is None:
+            return False
+        r.hold_kv = False
+        self._free(r)
+        return True
+
+    def reserve_prefilled(self, request: Request) -> list[int] | None:
+        """Decode side: blocks for a request whose prompt is prefilled elsewhere; the prefill
+        side writes its KV into them. None if the cache cannot hold the prompt now (nothing is
+        preempted for it: the KV may never come). `activate` or `abort` ends the reservation."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        need = self.allocator.blocks_for(len(request.prompt_token_ids))
+        if need > self.allocator.num_free:
+            return None
+        self.allocator.grow(request.block_table, len(request.prompt_token_ids))
+        self.requests[request.request_id] = request
+        self.receiving[request.request_id] = request
+        return list(request.block_table)
+
+    def activate(self, request_id: str, first_token: int) -> Request | None:
+        """Decode side: the KV is in and the prefill side sampled `first_token`: the request
+        decodes from here as if it had been prefilled here (None if it was aborted meanwhile).
+        It may already be finished (EOS, or max_tokens of 1)."""
+        r = self.receiving.pop(request_id, None)
+        if r is None:
+            return None
+        r.num_computed_tokens = r.num_scheduled_tokens = len(r.prompt_token_ids)
+        if r.append_token(first_token) is not None:
+            self._free(r)
+        else:
+            self.running.append(r)
         return r
 
     @property
@@ -229,8 +276,11 @@ class Scheduler:
             self._free(r)
 
     def _free(self, r: Request) -> None:
-        self.allocator.free(r.block_table)
-        r.block_table.clear()
+        if r.hold_kv:  # its KV is still to be sent: the blocks stay until release_held
+            self.held[r.request_id] = r
+        else:
+            self.allocator.free(r.block_table)
+            r.block_table.clear()
         if self.requests.pop(r.request_id, None) is not None and r.announced:
             self._released.append(r.request_id)
 
@@ -257,8 +307,14 @@ class Scheduler:
         return len(preempted)
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
-        """Everything waiting or running ends (a stage died); returns those requests."""
-        ended = list(self.waiting) + list(self.running)
+        """Everything waiting, running, held or receiving ends (a stage died); returns them."""
+        ended = list(self.waiting) + list(self.running) + list(self.receiving.values())
+        self.receiving.clear()
+        for r in [*self.held.values(), *ended]:
+            r.hold_kv = False
+        for r in self.held.values():
+            self._free(r)
+        self.held.clear()
         for r in ended:
             r.finish_reason = reason
         self.waiting.clear()
