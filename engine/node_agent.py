@@ -19,6 +19,8 @@ import signal
 import time
 from multiprocessing.process import BaseProcess
 
+import msgspec
+
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.fingerprint import checkpoint_fingerprint
 from ppserve.engine.remote_nodes import BEAT_S
@@ -98,7 +100,10 @@ class NodeAgent:
                         self.inbox.send_nowait(NodeStageExited(self.node, stage, proc.pid or 0, proc.exitcode))
                 await asyncio.wait([messages], timeout=BEAT_S)
                 while messages.done():
-                    msg = messages.result()
+                    try:
+                        msg = messages.result()
+                    except msgspec.DecodeError:
+                        msg = None  # not ours (possible only with --insecure-cluster): ignored
                     messages = asyncio.ensure_future(self.control.recv())
                     if isinstance(msg, HostHeartbeat):
                         heard = time.monotonic()
