@@ -156,6 +156,27 @@ class EdgeHeader(msgspec.Struct, frozen=True, array_like=True):
     slot: int = -1
 
 
+class KvTarget(msgspec.Struct, frozen=True, array_like=True):
+    """Disaggregation: where one prefill stage sends the KV of some of its layers (a decode
+    stage's receiver), and which of the room's blocks there take it (in block-table order)."""
+
+    dst_stage: int
+    address: str
+    layer_start: int
+    layer_stop: int
+
+
+class KvStatus(Msg, frozen=True):
+    """A stage -> its host: where its part of a room's KV transfer stands. Prefill side: a
+    scheduler.bootstrap.KvState value; decode side: "Received" (every block it expects is in)
+    or "Failed"."""
+
+    room: str
+    stage: int
+    state: str
+    error: str = ""
+
+
 class NodeJoin(msgspec.Struct, frozen=True):
     """A node -> the host through the rendezvous store: who it is, what it loaded, where it listens."""
 
@@ -198,6 +219,7 @@ ControlMsg = (
     | NodeHeartbeat
     | NodeStageExited
     | HostHeartbeat
+    | KvStatus
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMsg)

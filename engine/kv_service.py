@@ -1,0 +1,189 @@
+"""One stage's part of prefill/decode disaggregation: its KV sender or its KV receiver.
+
+Prefill side (`KvExporter`): per room, the host first hands over the handshake (where each of
+the stage's layers goes: `KvTarget`s, highest prefill stage first); the stage connects and
+reports WaitingForInput. Once the prompt is prefilled, `export` reports Transferring, streams the
+room's blocks layer slice by layer slice in chunks of whole blocks, and reports Success, or
+Failed with the reason. The host decides everything else (engine side, scheduler/bootstrap.py).
+
+Decode side (`KvImporter`): the host announces a room with the blocks it reserved and which
+prefill stages will send to this stage; chunks for rooms not announced, from stages not
+expected, or outside the room's blocks are dropped and logged, never written. When every
+expected block of every expected sender is in, the stage reports Received.
+
+Blocks are read and written where the stage computes (`run`), so the cache is never touched by
+two threads at once. Faults (engine/disagg_faults.py) apply here, per stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq.asyncio
+
+from ppserve.engine.disagg_faults import FaultDice
+from ppserve.engine.kv_blocks import read_blocks, write_blocks
+from ppserve.transport.kv_transfer import KvChunk, KvSender, block_chunks, open_receiver, open_sender
+from ppserve.transport.messages import KvStatus, KvTarget
+
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
+
+log = logging.getLogger("ppserve.kv")
+Report = Callable[[KvStatus], Awaitable[None]]
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a function where the stage computes
+
+
+class KvExporter:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        stage: int,
+        own: range,
+        cache: Callable[[], torch.Tensor],
+        run: Run,
+        report: Report,
+        guard: Guard | None = None,
+        backend: str = "zmq",
+        faults: FaultDice | None = None,
+    ) -> None:
+        self.ctx, self.stage, self.own, self.cache, self.run, self.report = ctx, stage, own, cache, run, report
+        self.guard, self.backend, self.faults = guard, backend, faults
+        self.targets: dict[str, list[KvTarget]] = {}  # rooms past their handshake
+        self.senders: dict[str, KvSender] = {}  # by address, kept for later rooms
+        self.exporting: set[str] = set()
+        self.aborted: set[str] = set()  # exports in progress told to stop
+
+    async def bootstrap(self, room: str, targets: Sequence[KvTarget]) -> None:
+        if self.faults is not None:
+            if self.faults.drop_handshake():
+                log.warning("prefill stage %d: dropped the handshake of room %s (injected)", self.stage, room)
+                return  # the host's bootstrap timeout ends the room
+            await asyncio.sleep(self.faults.jitter_s())
+        for t in targets:
+            if t.address not in self.senders:
+                self.senders[t.address] = open_sender(self.backend, self.ctx, t.address, self.guard)
+        self.targets[room] = list(targets)
+        await self.report(KvStatus(room, self.stage, "WaitingForInput"))
+
+    async def export(self, room: str, blocks: Sequence[int]) -> None:
+        """Send the room's KV (its prefill is done on this stage); reports how it went."""
+        targets = self.targets.pop(room, None)
+        if targets is None:
+            await self.report(KvStatus(room, self.stage, "Failed", "no handshake for this room on this stage"))
+            return
+        await self.report(KvStatus(room, self.stage, "Transferring"))
+        self.exporting.add(room)
+        try:
+            fail = self.faults is not None and self.faults.fail_transfer()
+            cache = self.cache()
+            per_layer_block = cache[0, :, 0].numel() * cache.element_size()
+            for t in targets:
+                layers = range(t.layer_start, t.layer_stop)
+                for offset, count in block_chunks(len(blocks), per_layer_block * len(layers)):
+                    if room in self.aborted:
+                        raise RuntimeError("aborted by the host")
+                    if fail:
+                        raise RuntimeError("the transfer failed (injected)")
+                    if self.faults is not None:
+                        await asyncio.sleep(self.faults.jitter_s())
+                    part = list(blocks[offset : offset + count])
+                    data = await self.run(partial(read_blocks, self.cache(), self.own, layers, part))
+                    chunk = KvChunk(
+                        room, self.stage, layers.start, layers.stop, offset, count, len(blocks),
+                        str(data.dtype).removeprefix("torch."), tuple(data.shape),
+                    )  # fmt: skip
+                    await self.senders[t.address].send(chunk, data)
+        except Exception as e:  # reported, never raised: one room's trouble is not the stage's
+            await self.report(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self.exporting.discard(room)
+            self.aborted.discard(room)
+        await self.report(KvStatus(room, self.stage, "Success"))
+
+    def abort(self, room: str) -> None:
+        """Forget the room; a transfer in progress fails at its next chunk."""
+        self.targets.pop(room, None)
+        if room in self.exporting:
+            self.aborted.add(room)
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+
+
+@dataclass
+class _Incoming:
+    blocks: list[int]
+    got: dict[int, set[int]] = field(default_factory=dict)  # sending stage -> block indices in
+
+
+class KvImporter:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        stage: int,
+        own: range,
+        cache: Callable[[], torch.Tensor],
+        run: Run,
+        report: Report,
+        address: str,
+        guard: Guard | None = None,
+        backend: str = "zmq",
+    ) -> None:
+        self.stage, self.own, self.cache, self.run, self.report = stage, own, cache, run, report
+        self.receiver = open_receiver(backend, ctx, address, guard)
+        self.address = self.receiver.address
+        self.rooms: dict[str, _Incoming] = {}
+
+    def expect(self, room: str, blocks: Sequence[int], senders: Sequence[int]) -> None:
+        """The room's blocks on this stage, and the prefill stages that send to it."""
+        self.rooms[room] = _Incoming(list(blocks), {s: set() for s in senders})
+
+    def drop(self, room: str) -> None:
+        self.rooms.pop(room, None)
+
+    async def serve(self) -> None:
+        """Write chunks as they come (runs until cancelled)."""
+        while True:
+            chunk, data = await self.receiver.recv()
+            room = self.rooms.get(chunk.room)
+            if (problem := self._check(chunk, room)) is not None:
+                log.warning("decode stage %d: dropped a KV chunk of room %s: %s", self.stage, chunk.room, problem)
+                continue
+            assert room is not None
+            layers = range(chunk.layer_start, chunk.layer_stop)
+            into = room.blocks[chunk.block_offset : chunk.block_offset + chunk.num_blocks]
+            try:
+                await self.run(partial(write_blocks, self.cache(), self.own, layers, into, data))
+            except (ValueError, RuntimeError) as e:  # a shape or dtype that does not fit this cache
+                self.rooms.pop(chunk.room, None)
+                await self.report(KvStatus(chunk.room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
+                continue
+            room.got[chunk.src_stage].update(range(chunk.block_offset, chunk.block_offset + chunk.num_blocks))
+            if all(len(got) == len(room.blocks) for got in room.got.values()):
+                del self.rooms[chunk.room]
+                await self.report(KvStatus(chunk.room, self.stage, "Received"))
+
+    def _check(self, chunk: KvChunk, room: _Incoming | None) -> str | None:
+        if room is None:
+            return "the room is not expected here (unknown, or already ended)"
+        if chunk.src_stage not in room.got:
+            return f"prefill stage {chunk.src_stage} is not expected to send here"
+        if chunk.total_blocks != len(room.blocks) or chunk.block_offset + chunk.num_blocks > len(room.blocks):
+            return (
+                f"blocks {chunk.block_offset}+{chunk.num_blocks} of {chunk.total_blocks} do not fit {len(room.blocks)}"
+            )
+        if chunk.layer_start < self.own.start or chunk.layer_stop > self.own.stop:
+            return f"layers {chunk.layer_start}..{chunk.layer_stop - 1} are not this stage's"
+        return None
+
+    def close(self) -> None:
+        self.receiver.close()
