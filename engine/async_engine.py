@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.disagg import DecodeRooms, PrefillRooms
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.restart_budget import RestartBudget
 from ppserve.engine.stage_pool import StageError, StagePool
@@ -103,6 +104,7 @@ class AsyncEngine:
         self.stage_restarts = [0] * config.pp_size
         self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
         self._recovery: asyncio.Task[None] | None = None
+        self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
 
@@ -125,7 +127,19 @@ class AsyncEngine:
         driver = PipelineDriver(self.scheduler, self._send_plan, self._on_outputs)
         self._driver = driver
         self._driver_task = self._supervise(asyncio.create_task(driver.run()), "pipeline driver")
+        self._start_rooms(pool)
         return self
+
+    def _start_rooms(self, pool: StagePool) -> None:
+        cfg = self.config
+        if cfg.disaggregation == "prefill":
+            self.rooms = PrefillRooms(self)
+        elif cfg.disaggregation == "decode":
+            self.rooms = DecodeRooms(self)
+        else:
+            return
+        pool.on_kv_status = self.rooms.on_kv_status
+        self._supervise(asyncio.create_task(self.rooms.serve()), f"{cfg.disaggregation} room server")
 
     async def close(self) -> None:
         if self._closed:
@@ -138,6 +152,8 @@ class AsyncEngine:
         if self.error is None:
             self.error = EngineDeadError("the engine is shut down")
         self._fail_streams(self.error)
+        if self.rooms is not None:
+            self.rooms.close()
         if self._pool is not None:
             await self._pool.close()
             atexit.unregister(self._pool.kill_now)
@@ -181,9 +197,17 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        prefill: str | None = None,
+        hold_kv: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
-        engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full."""
+        engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full.
+
+        Disaggregation (engine/disagg.py): on a decode engine, `prefill` (a prefill engine's
+        bootstrap address) has the prompt prefilled there and its KV sent here, then decodes on
+        (DisaggregationError if that fails); `hold_kv` keeps a finished request's KV for a
+        transfer (the prefill engine's own use)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
@@ -194,12 +218,16 @@ class AsyncEngine:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         request = self._request(rid, ids, params)
+        request.hold_kv = hold_kv
         stream = _Stream(request, self.tokenizer.detokenizer(ids))
-        self.scheduler.add(request)
+        if prefill is None:
+            self.scheduler.add(request)
         self._streams[rid] = stream
         assert self._driver is not None
         self._driver.wake()
         try:
+            if prefill is not None:
+                await self._prefill_remotely(stream, prefill)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
@@ -212,6 +240,27 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not request.finished:
                 self.abort(rid)
+
+    async def _prefill_remotely(self, stream: _Stream, prefill: str) -> None:
+        if not isinstance(self.rooms, DecodeRooms):
+            raise ValueError("prefilling elsewhere needs an engine in disaggregation mode 'decode'")
+        first = await self.rooms.prefill_remotely(stream.request, prefill)
+        if self.scheduler.activate(stream.request.request_id, first.token_id) is None:
+            return  # aborted meanwhile: the stream ends with what abort put in it
+        self._emit(stream, first)
+        self._progress.set()
+        assert self._driver is not None
+        self._driver.wake()
+
+    @property
+    def pool(self) -> StagePool:
+        assert self._pool is not None, "the engine is not started"
+        return self._pool
+
+    def wake(self) -> None:
+        """The scheduler may have work (blocks were freed outside a step)."""
+        if self._driver is not None:
+            self._driver.wake()
 
     def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None, pending: int = 0) -> None:
         """Raise what `generate` would raise for this request, without starting it: ValueError

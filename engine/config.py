@@ -51,6 +51,10 @@ class EngineConfig:
     stage_restart_window_s: float = 600.0
     stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/devices.py)
     cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster.py); None: one host
+    disaggregation: str = ""  # "prefill" | "decode": one side of a disaggregated pair; "": both in one
+    disagg_address: str = ""  # ZeroMQ address of this side's room inbox (prefill: the bootstrap address)
+    disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg.py)
+    disagg_transfer_timeout_s: float = 30.0
 
     @classmethod
     def create(
@@ -81,6 +85,10 @@ class EngineConfig:
         stage_restart_window_s: float = 600.0,
         gpu_ids: tuple[int, ...] = (),
         cluster: ClusterConfig | None = None,
+        disaggregation: str = "",
+        disagg_address: str = "",
+        disagg_bootstrap_timeout_s: float = 30.0,
+        disagg_transfer_timeout_s: float = 30.0,
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -148,6 +156,14 @@ class EngineConfig:
             raise ConfigError(f"stage_timeout_s must be at least 1 second, got {stage_timeout_s}")
         if max_stage_restarts < 0:
             raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
+        if disaggregation not in ("", "prefill", "decode"):
+            raise ConfigError(f"disaggregation mode must be prefill or decode, got {disaggregation!r}")
+        for name, seconds in (
+            ("disaggregation bootstrap timeout", disagg_bootstrap_timeout_s),
+            ("disaggregation transfer timeout", disagg_transfer_timeout_s),
+        ):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(f"the {name} must be a positive number of seconds, got {seconds}")
         if gpu_ids and device != "cuda":
             raise ConfigError("--gpu-ids needs --device cuda")
         if cluster is not None and len(cluster.stage_nodes) != pp_size:
@@ -192,6 +208,10 @@ class EngineConfig:
             stage_restart_window_s=stage_restart_window_s,
             stage_gpus=gpus,
             cluster=cluster,
+            disaggregation=disaggregation,
+            disagg_address=disagg_address or ("tcp://127.0.0.1:*" if disaggregation else ""),
+            disagg_bootstrap_timeout_s=disagg_bootstrap_timeout_s,
+            disagg_transfer_timeout_s=disagg_transfer_timeout_s,
         )
 
     @property

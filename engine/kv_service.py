@@ -6,10 +6,11 @@ reports WaitingForInput. Once the prompt is prefilled, `export` reports Transfer
 room's blocks layer slice by layer slice in chunks of whole blocks, and reports Success, or
 Failed with the reason. The host decides everything else (engine side, scheduler/bootstrap.py).
 
-Decode side (`KvImporter`): the host announces a room with the blocks it reserved and which
-prefill stages will send to this stage; chunks for rooms not announced, from stages not
-expected, or outside the room's blocks are dropped and logged, never written. When every
-expected block of every expected sender is in, the stage reports Received.
+Decode side (`KvImporter`): the host announces a room with the blocks it reserved; chunks for
+rooms not announced, or outside the room's blocks or this stage's layers, are dropped and
+logged, never written. When every block of every one of its layers is in (from whichever
+prefill stages hold them: the decode side need not know how the prefill side is cut), the stage
+reports Received.
 
 Blocks are read and written where the stage computes (`run`), so the cache is never touched by
 two threads at once. Faults (engine/disagg_faults.py) apply here, per stage.
@@ -122,7 +123,7 @@ class KvExporter:
 @dataclass
 class _Incoming:
     blocks: list[int]
-    got: dict[int, set[int]] = field(default_factory=dict)  # sending stage -> block indices in
+    got: dict[int, set[int]] = field(default_factory=dict)  # layer -> indices of its blocks in
 
 
 class KvImporter:
@@ -143,9 +144,9 @@ class KvImporter:
         self.address = self.receiver.address
         self.rooms: dict[str, _Incoming] = {}
 
-    def expect(self, room: str, blocks: Sequence[int], senders: Sequence[int]) -> None:
-        """The room's blocks on this stage, and the prefill stages that send to it."""
-        self.rooms[room] = _Incoming(list(blocks), {s: set() for s in senders})
+    def expect(self, room: str, blocks: Sequence[int]) -> None:
+        """The room's blocks on this stage (its KV arrives into them, block-table order)."""
+        self.rooms[room] = _Incoming(list(blocks), {layer: set() for layer in self.own})
 
     def drop(self, room: str) -> None:
         self.rooms.pop(room, None)
@@ -167,7 +168,8 @@ class KvImporter:
                 self.rooms.pop(chunk.room, None)
                 await self.report(KvStatus(chunk.room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
                 continue
-            room.got[chunk.src_stage].update(range(chunk.block_offset, chunk.block_offset + chunk.num_blocks))
+            for layer in layers:
+                room.got[layer].update(range(chunk.block_offset, chunk.block_offset + chunk.num_blocks))
             if all(len(got) == len(room.blocks) for got in room.got.values()):
                 del self.rooms[chunk.room]
                 await self.report(KvStatus(chunk.room, self.stage, "Received"))
@@ -175,8 +177,6 @@ class KvImporter:
     def _check(self, chunk: KvChunk, room: _Incoming | None) -> str | None:
         if room is None:
             return "the room is not expected here (unknown, or already ended)"
-        if chunk.src_stage not in room.got:
-            return f"prefill stage {chunk.src_stage} is not expected to send here"
         if chunk.total_blocks != len(room.blocks) or chunk.block_offset + chunk.num_blocks > len(room.blocks):
             return (
                 f"blocks {chunk.block_offset}+{chunk.num_blocks} of {chunk.total_blocks} do not fit {len(room.blocks)}"

@@ -40,6 +40,7 @@ from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     PROTOCOL_VERSION,
+    KvStatus,
     Layout,
     Msg,
     NodeHeartbeat,
@@ -109,6 +110,8 @@ class StagePool:
         self.nodes: RemoteNodes | None = None
         self.last_seen: list[float] = [time.monotonic()] * config.pp_size
         self.profiles: list[list[tuple[int, int, float]]] = [[] for _ in range(config.pp_size)]
+        self.kv_addresses: list[str] = [""] * config.pp_size  # decode side of disaggregation: KV receivers
+        self.on_kv_status: Callable[[KvStatus], None] | None = None  # disaggregation: the engine's
         self.epoch = 0  # resets sent so far
         # Long-lived tasks, by name (the engine supervises them).
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -258,6 +261,7 @@ class StagePool:
                         )
                     fresh.discard(msg.stage)
                     self.profiles[msg.stage] = msg.profile
+                    self.kv_addresses[msg.stage] = msg.kv_address
                 if isinstance(msg, ResetDone) and msg.epoch == self.epoch:
                     resetting.discard(msg.stage)
         finally:
@@ -290,6 +294,10 @@ class StagePool:
 
     # ---- serving --------------------------------------------------------------------------
 
+    def send_to(self, stage: int, msg: Msg) -> None:
+        """A message on one stage's plan socket, in order with the plans."""
+        self.plan_socks[stage].send_nowait(msg)
+
     def send_plan(self, plan: Msg) -> None:
         data = encode(plan)  # once for every stage
         for sock in self.plan_socks:
@@ -307,6 +315,10 @@ class StagePool:
                 continue
             if isinstance(msg, NodeStageExited):
                 self._remote_exited(msg)
+                continue
+            if isinstance(msg, KvStatus):
+                if self.on_kv_status is not None:
+                    self.on_kv_status(msg)
                 continue
             stage = getattr(msg, "stage", None)
             if stage is not None:

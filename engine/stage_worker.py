@@ -26,22 +26,29 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.kv_service import KvExporter, KvImporter
 from ppserve.engine.latency_profile import profile_points, run_profile
 from ppserve.engine.synthetic import SyntheticRunner
-from ppserve.transport.addresses import Addresses
+from ppserve.transport.addresses import Addresses, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     PROTOCOL_VERSION,
     EdgeHeader,
     Heartbeat,
+    KvBootstrap,
+    KvExpect,
+    KvExport,
+    KvForget,
+    KvStatus,
     Reset,
     ResetDone,
     Sampled,
@@ -168,6 +175,8 @@ class StageWorker:
         self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see _Span)
         self._gpu_clock: _GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
+        self.kv: KvExporter | KvImporter | None = None  # disaggregation: this stage's KV sender or receiver
+        self._kv_tasks: set[asyncio.Task[None]] = set()
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
         # Activations of micro-batches below this id are leftovers of plans voided by a reset:
@@ -234,9 +243,54 @@ class StageWorker:
             elif isinstance(msg, Shutdown):
                 await self._plans.put(None)
                 return
+            elif isinstance(msg, (KvBootstrap, KvExport, KvExpect, KvForget)):
+                self._kv_message(msg)
             else:
                 assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
                 await self._plans.put(msg)
+
+    def _kv_message(self, msg: KvBootstrap | KvExport | KvExpect | KvForget) -> None:
+        """Disaggregation (engine/kv_service.py): KV transfers run beside the pipeline."""
+        if isinstance(self.kv, KvExporter):
+            if isinstance(msg, KvBootstrap):
+                self._kv_tasks.add(asyncio.create_task(self.kv.bootstrap(msg.room, msg.targets)))
+            elif isinstance(msg, KvExport):
+                self._kv_tasks.add(asyncio.create_task(self.kv.export(msg.room, msg.blocks)))
+            elif isinstance(msg, KvForget):
+                self.kv.abort(msg.room)
+        elif isinstance(self.kv, KvImporter):
+            if isinstance(msg, KvExpect):
+                self.kv.expect(msg.room, msg.blocks)
+            elif isinstance(msg, KvForget):
+                self.kv.drop(msg.room)
+        self._kv_tasks = {t for t in self._kv_tasks if not t.done()}
+
+    def _open_kv(self) -> None:
+        mode = self.config.disaggregation
+        if not mode:
+            return
+        from ppserve.engine.disagg_faults import DisaggFaults
+
+        loop = asyncio.get_running_loop()
+
+        async def run(fn: Callable[[], Any]) -> Any:  # where the stage computes: its cache is touched there only
+            return await loop.run_in_executor(self.compute_pool, fn)
+
+        async def report(status: KvStatus) -> None:
+            await self.inbox.send(status)
+
+        def cache() -> torch.Tensor:
+            return self.runner.kv_cache  # type: ignore[union-attr]
+
+        own = self.config.layer_ranges[self.stage]
+        if mode == "prefill":
+            faults = DisaggFaults.from_env()
+            dice = faults.for_stage("prefill", self.stage) if faults is not None else None
+            self.kv = KvExporter(self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice)
+        else:
+            host = self.config.cluster.node_addr if self.config.cluster else "127.0.0.1"
+            self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, tcp_address(host, "*"), self.guard)
+            self._kv_tasks.add(self._watch(asyncio.create_task(self.kv.serve())))
 
     async def _reset(self, epoch: int, first_mb: int) -> None:
         """Void every plan received so far: stop the pipeline, let a computation in progress end
@@ -292,7 +346,11 @@ class StageWorker:
         # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
         # before serving: the first micro-batch never pays for them, nor waits on them.
         await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))
-        await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile))
+        self._open_kv()
+        kv_address = self.kv.address if isinstance(self.kv, KvImporter) else ""
+        await self.inbox.send(
+            StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile, kv_address)
+        )
 
     def _profile(self) -> list[tuple[int, int, float]]:
         """Compute thread: time prefills for the host's chunk-size model."""
@@ -401,6 +459,10 @@ class StageWorker:
         for ch in (self.inbound, self.outbound):
             if ch is not None:
                 ch.close()
+        for task in self._kv_tasks:
+            task.cancel()
+        if self.kv is not None:
+            self.kv.close()
         self.inbox.close()
         self.plans.close()
         self.compute_pool.shutdown(wait=False, cancel_futures=True)

@@ -96,6 +96,7 @@ class StageReady(Msg, frozen=True):
     num_kv_blocks: int
     pid: int
     profile: list[tuple[int, int, float]] = []  # start-up prefill timings: (prefix, tokens, seconds)
+    kv_address: str = ""  # decode side of disaggregation: where prefill stages send this stage KV
 
 
 class StageFailed(Msg, frozen=True):
@@ -177,6 +178,59 @@ class KvStatus(Msg, frozen=True):
     error: str = ""
 
 
+class KvBootstrap(Msg, frozen=True):
+    """Host -> prefill stage: the decode side's handshake for a room (where its layers go)."""
+
+    room: str
+    targets: list[KvTarget]
+
+
+class KvExport(Msg, frozen=True):
+    """Host -> prefill stage: the room's prompt is prefilled; send the KV of these blocks."""
+
+    room: str
+    blocks: list[int]
+
+
+class KvExpect(Msg, frozen=True):
+    """Host -> decode stage: a room's KV will arrive into these blocks."""
+
+    room: str
+    blocks: list[int]
+
+
+class KvForget(Msg, frozen=True):
+    """Host -> any stage: the room is over (failed or aborted): stop sending or expecting it."""
+
+    room: str
+
+
+class RoomOpen(Msg, frozen=True):
+    """Decode host -> prefill host: prefill this prompt and send its KV to these decode stages."""
+
+    room: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    decode_stages: list[KvTarget]  # one per decode stage: its receiver and its layers
+    block_size: int
+    num_layers: int
+    reply_to: str  # the decode host's room inbox
+
+
+class RoomFirstToken(Msg, frozen=True):
+    """Prefill host -> decode host: the room's prompt is done; its first token."""
+
+    room: str
+    sample: Sampled
+
+
+class RoomFailed(Msg, frozen=True):
+    """Either host -> the other: the room is over, and why (names the side, stage and state)."""
+
+    room: str
+    error: str
+
+
 class NodeJoin(msgspec.Struct, frozen=True):
     """A node -> the host through the rendezvous store: who it is, what it loaded, where it listens."""
 
@@ -220,6 +274,13 @@ ControlMsg = (
     | NodeStageExited
     | HostHeartbeat
     | KvStatus
+    | KvBootstrap
+    | KvExport
+    | KvExpect
+    | KvForget
+    | RoomOpen
+    | RoomFirstToken
+    | RoomFailed
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMsg)
