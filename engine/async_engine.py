@@ -25,6 +25,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+import zmq
+
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg import DecodeRooms, PrefillRooms
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
@@ -127,7 +129,12 @@ class AsyncEngine:
         driver = PipelineDriver(self.scheduler, self._send_plan, self._on_outputs)
         self._driver = driver
         self._driver_task = self._supervise(asyncio.create_task(driver.run()), "pipeline driver")
-        self._start_rooms(pool)
+        try:
+            self._start_rooms(pool)
+        except zmq.ZMQError as e:
+            await self.close()
+            where = self.config.disagg_address(self.config.disagg_port)
+            raise RuntimeError(f"cannot listen for disaggregation at {where}: {e}") from None
         return self
 
     def _start_rooms(self, pool: StagePool) -> None:

@@ -52,7 +52,8 @@ class EngineConfig:
     stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/devices.py)
     cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster.py); None: one host
     disaggregation: str = ""  # "prefill" | "decode": one side of a disaggregated pair; "": both in one
-    disagg_address: str = ""  # ZeroMQ address of this side's room inbox (prefill: the bootstrap address)
+    disagg_host: str = "127.0.0.1"  # disaggregation sockets bind here (prefill: its bootstrap port too)
+    disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
     disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg.py)
     disagg_transfer_timeout_s: float = 30.0
 
@@ -86,7 +87,8 @@ class EngineConfig:
         gpu_ids: tuple[int, ...] = (),
         cluster: ClusterConfig | None = None,
         disaggregation: str = "",
-        disagg_address: str = "",
+        disagg_host: str = "127.0.0.1",
+        disagg_port: int = 0,
         disagg_bootstrap_timeout_s: float = 30.0,
         disagg_transfer_timeout_s: float = 30.0,
     ) -> EngineConfig:
@@ -158,6 +160,10 @@ class EngineConfig:
             raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
         if disaggregation not in ("", "prefill", "decode"):
             raise ConfigError(f"disaggregation mode must be prefill or decode, got {disaggregation!r}")
+        if disaggregation and disagg_host in ("0.0.0.0", "::", ""):
+            raise ConfigError("disaggregation sockets need this machine's address (--node-addr), not a wildcard")
+        if not 0 <= disagg_port < 65536:
+            raise ConfigError(f"the disaggregation bootstrap port must be in [0, 65535], got {disagg_port}")
         for name, seconds in (
             ("disaggregation bootstrap timeout", disagg_bootstrap_timeout_s),
             ("disaggregation transfer timeout", disagg_transfer_timeout_s),
@@ -209,7 +215,8 @@ class EngineConfig:
             stage_gpus=gpus,
             cluster=cluster,
             disaggregation=disaggregation,
-            disagg_address=disagg_address or ("tcp://127.0.0.1:*" if disaggregation else ""),
+            disagg_host=disagg_host,
+            disagg_port=disagg_port,
             disagg_bootstrap_timeout_s=disagg_bootstrap_timeout_s,
             disagg_transfer_timeout_s=disagg_transfer_timeout_s,
         )
@@ -227,6 +234,11 @@ class EngineConfig:
     def process_group(self) -> str | None:
         """The torch.distributed backend every stage joins, if any edge uses one."""
         return next((k for k in self.edge_transports if k in ("gloo", "nccl")), None)
+
+    def disagg_address(self, port: int | None = None) -> str:
+        """A ZeroMQ address on the disaggregation host: at `port`, else any free port."""
+        host = f"[{self.disagg_host}]" if ":" in self.disagg_host else self.disagg_host
+        return f"tcp://{host}:{port or '*'}"
 
     def cluster_settings(self) -> dict[str, str]:
         """What every node of a cluster must agree on (compared when a node joins)."""

@@ -86,7 +86,7 @@ class PrefillRooms:
         cfg = self.config = engine.config
         self.table = BootstrapTable(cfg.pp_size, cfg.disagg_bootstrap_timeout_s, cfg.disagg_transfer_timeout_s)
         self.ctx = context()
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address, bind=True)
+        self.inbox = PullSocket(self.ctx, cfg.disagg_address(cfg.disagg_port), bind=True)
         self.address = self.inbox.address
         self.links = _Links(self.ctx)
         self.rooms: dict[str, _PrefillRoom] = {}
@@ -229,7 +229,7 @@ class DecodeRooms:
         cfg = self.config = engine.config
         self.timeout_s = cfg.disagg_bootstrap_timeout_s + cfg.disagg_transfer_timeout_s
         self.ctx = context()
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address, bind=True)
+        self.inbox = PullSocket(self.ctx, cfg.disagg_address(), bind=True)
         self.address = self.inbox.address
         self.links = _Links(self.ctx)
         self.rooms: dict[str, _DecodeRoom] = {}

@@ -288,7 +288,7 @@ class StageWorker:
             dice = faults.for_stage("prefill", self.stage) if faults is not None else None
             self.kv = KvExporter(self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice)
         else:
-            host = self.config.cluster.node_addr if self.config.cluster else "127.0.0.1"
+            host = self.config.cluster.node_addr if self.config.cluster else self.config.disagg_host
             self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, tcp_address(host, "*"), self.guard)
             self._kv_tasks.add(self._watch(asyncio.create_task(self.kv.serve())))
 

@@ -18,6 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -150,10 +151,21 @@ class ServerState:
             raise ApiError(400, message, "prompt") from None
         except (EngineOverloadedError, EngineDeadError) as e:
             raise as_api_error(e) from None
-        return self.metrics.track(engine.generate(prompt_ids, params, request_id))
+        prefill = PREFILL_AT.get()
+        return self.metrics.track(engine.generate(prompt_ids, params, request_id, prefill=prefill))
+
+    def disaggregation(self) -> dict[str, str] | None:
+        """This server's side of a disaggregated pair, for /health (a router reads it)."""
+        engine, mode = self.engine, self.config.disaggregation
+        if not mode or engine is None or engine.rooms is None:
+            return None
+        return {"mode": mode, "bootstrap": engine.rooms.address}
 
 
 STATE = web.AppKey("state", ServerState)
+# Disaggregation: a router names the prefill server of a request sent to a decode server here.
+PREFILL_HEADER = "X-PPServe-Prefill"
+PREFILL_AT: ContextVar[str | None] = ContextVar("prefill_at", default=None)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -230,7 +242,19 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     if not request.app[STATE].key_matches(bearer_token(request.headers.get("Authorization", ""))):
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
-    return await handler(request)
+    prefill = request.headers.get(PREFILL_HEADER)
+    if prefill is None:
+        return await handler(request)
+    # Only past the key check: the address is one this server will connect to.
+    if request.app[STATE].config.disaggregation != "decode":
+        raise ApiError(400, f"{PREFILL_HEADER} is for decode servers (--disaggregation-mode decode)")
+    if not prefill.startswith("tcp://") or len(prefill) > 300:
+        raise ApiError(400, f"{PREFILL_HEADER} must be a prefill server's bootstrap address, tcp://HOST:PORT")
+    token = PREFILL_AT.set(prefill)
+    try:
+        return await handler(request)
+    finally:
+        PREFILL_AT.reset(token)
 
 
 def _browser_websocket(request: web.Request) -> bool:
@@ -251,7 +275,8 @@ async def health(request: web.Request) -> web.Response:
         # should send new ones elsewhere for now.
         return web.json_response({"status": status}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     if status == "ok":
-        return web.json_response({"status": status})
+        pd = request.app[STATE].disaggregation()
+        return web.json_response({"status": status, **({"disaggregation": pd} if pd else {})})
     return web.json_response({"status": status, "error": error}, status=503)
 
 

@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ppserve.engine.model_config import ConfigError
 from ppserve.server.listen import bind_http
@@ -251,6 +251,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    pd = serve.add_argument_group("prefill/decode disaggregation (a router in front: `ppserve router`)")
+    pd.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        default=None,
+        help="serve one side of a disaggregated pair (default: both, colocated)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="prefill side: where decode servers reach it (default: any free port; /health says which)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a room's handshake, per state (default 30)",
+    )
+    pd.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a room's KV transfer (default 30)",
+    )
+    router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' HTTP URLs")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' HTTP URLs")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    router.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     return parser
 
 
@@ -261,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             _generate(args)
         elif args.command == "serve":
             _serve(args)
+        elif args.command == "router":
+            _route(args)
     except (ConfigError, ValueError) as e:
         fail(f"ppserve {args.command}: error: {e}")
     except (RuntimeError, OSError) as e:  # a stage failed to start, the port is taken, ...
@@ -318,7 +353,21 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         stage_timeout_s=args.stage_timeout,
         max_stage_restarts=args.max_stage_restarts,
         cluster=_cluster_config(args),
+        **_disaggregation(args),
     )
+
+
+def _disaggregation(args: argparse.Namespace) -> dict[str, Any]:
+    mode = getattr(args, "disaggregation_mode", None)
+    if not mode:
+        return {}
+    return {
+        "disaggregation": mode,
+        "disagg_host": args.node_addr or args.host,
+        "disagg_port": args.disaggregation_bootstrap_port,
+        "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
+        "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
+    }
 
 
 def _serve_node(config: EngineConfig) -> NoReturn:
@@ -459,7 +508,7 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
     """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
     from aiohttp import web
 
-    from ppserve.server.app import create_app
+    from ppserve.server.app import STATE, create_app
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -496,6 +545,40 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
             )
             if options.playground:
                 print(f"ppserve: playground at {url}/", flush=True)
+        if (pd := runner.app[STATE].disaggregation()) is not None:
+            print(f"ppserve: {pd['mode']} side of a disaggregated pair; bootstrap at {pd['bootstrap']}", flush=True)
+        await stop.wait()
+        print("ppserve: shutting down", flush=True)
+    finally:
+        await runner.cleanup()
+
+
+def _route(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for url in [*args.prefill, *args.decode]:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"expected a server's URL such as http://10.0.0.2:8000, got {url!r}")
+    sockets = bind_http(args.host, args.port)
+    _run(_route_until_stopped(args.prefill, args.decode, sockets))
+
+
+async def _route_until_stopped(prefill: list[str], decode: list[str], sockets: list[socket.socket]) -> None:
+    from aiohttp import web
+
+    from ppserve.server.router import create_router
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_router(prefill, decode), handler_cancellation=True)
+    await runner.setup()
+    try:
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        for h, p, *_ in runner.addresses:
+            url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
+            print(f"ppserve: routing to {len(prefill)} prefill and {len(decode)} decode server(s) at {url}", flush=True)
         await stop.wait()
         print("ppserve: shutting down", flush=True)
     finally:

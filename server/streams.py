@@ -13,6 +13,7 @@ import msgspec
 from aiohttp import web
 
 from ppserve.engine.async_engine import EngineDeadError, EngineOverloadedError
+from ppserve.engine.disagg import DisaggregationError
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.stage_pool import StageError
 from ppserve.server.client_errors import CLIENT_GONE
@@ -99,6 +100,8 @@ def as_api_error(e: BaseException) -> BaseException:
         return ApiError(503, f"the engine cannot serve: {e}", headers=retry)
     if isinstance(e, EngineOverloadedError):
         return ApiError(503, f"the server is busy: {e}", headers=retry)
+    if isinstance(e, DisaggregationError):  # a room failed: its message names the side, stage and state
+        return ApiError(503, f"disaggregated prefill failed: {e}", headers=retry)
     if isinstance(e, ValueError):
         return ApiError(400, str(e))
     return e

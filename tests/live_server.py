@@ -29,9 +29,11 @@ class LiveServer:
         api_key: str | None = API_KEY,
         timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
+        command: str = "serve",
     ) -> None:
-        """model_dir None: the built-in demo model. env: extra environment variables."""
-        args = [sys.executable, "-m", "ppserve.server.cli", "serve", "--port", "0", *flags]
+        """model_dir None: the built-in demo model. env: extra environment variables. command:
+        `serve`, or `router` (no model)."""
+        args = [sys.executable, "-m", "ppserve.server.cli", command, "--port", "0", *flags]
         if model_dir is not None:
             args += ["--model", str(model_dir)]
         if api_key:

@@ -1,0 +1,211 @@
+"""`ppserve router`: the OpenAI-compatible front of a disaggregated deployment.
+
+    client --HTTP--> router --HTTP + X-PPServe-Prefill: <bootstrap>--> decode server --stream--> client
+                                                                          |  RoomOpen, first token,
+                                                                          |  KV stage to stage
+                                                                      prefill server
+
+Each request goes to the least loaded healthy decode server, with the bootstrap address of the
+least loaded healthy prefill server in a header; the decode server opens the room there, and its
+stream comes back through the router unchanged. Every second the router reads each server's
+/health (which says its side and, for prefill, its bootstrap address); a server that fails it
+leaves the rotation until it passes again. The router's own errors have the server's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from ppserve.server.app import PREFILL_HEADER
+from ppserve.server.protocol import ApiError
+
+log = logging.getLogger("ppserve.router")
+CHECK_S = 1.0
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
+
+
+@dataclass
+class Backend:
+    url: str
+    side: str  # "prefill" | "decode"
+    healthy: bool = False
+    bootstrap: str = ""  # prefill: where decode servers reach it
+    inflight: int = 0
+    routed: int = 0
+    why: str = "not checked yet"
+
+
+@dataclass
+class Router:
+    backends: list[Backend]
+    session: aiohttp.ClientSession | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def pick(self, side: str) -> Backend:
+        ready = [b for b in self.backends if b.side == side and b.healthy]
+        if not ready:
+            raise ApiError(503, f"no {side} server is healthy", headers={"Retry-After": "1"})
+        return min(ready, key=lambda b: (b.inflight, b.routed))
+
+    async def check(self, backend: Backend) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(backend.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                body = await resp.json(content_type=None)
+            pd = body.get("disaggregation") or {}
+            if resp.status != 200:
+                raise ValueError(f"/health answered {resp.status}: {body.get('error') or body.get('status')}")
+            if pd.get("mode") != backend.side:
+                raise ValueError(f"it is not a {backend.side} server (--disaggregation-mode {backend.side})")
+            backend.bootstrap = str(pd.get("bootstrap", ""))
+            if not backend.healthy:
+                log.info("%s server %s is in the rotation", backend.side, backend.url)
+            backend.healthy, backend.why = True, ""
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+            if backend.healthy or backend.why == "not checked yet":
+                log.warning("%s server %s leaves the rotation: %s", backend.side, backend.url, e or type(e).__name__)
+            backend.healthy, backend.why = False, str(e) or type(e).__name__
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(b) for b in self.backends))
+            await asyncio.sleep(CHECK_S)
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The router's own errors, in the servers' JSON shape."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
+
+
+async def route(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER]
+    decode, prefill = router.pick("decode"), router.pick("prefill")
+    headers = {k: v for k, v in request.headers.items() if k in ("Content-Type", "Authorization", "Accept")}
+    headers[PREFILL_HEADER] = prefill.bootstrap
+    body = await request.read()
+    assert router.session is not None
+    decode.inflight += 1
+    prefill.inflight += 1
+    decode.routed += 1
+    prefill.routed += 1
+    try:
+        async with router.session.post(decode.url + request.path, data=body, headers=headers) as upstream:
+            out = web.StreamResponse(status=upstream.status, headers=_passed(upstream.headers))
+            await out.prepare(request)
+            async for data in upstream.content.iter_any():
+                await out.write(data)
+            await out.write_eof()
+            return out
+    except aiohttp.ClientError as e:
+        raise ApiError(503, f"decode server {decode.url} failed: {e}", headers={"Retry-After": "1"}) from None
+    finally:
+        decode.inflight -= 1
+        prefill.inflight -= 1
+
+
+def _passed(headers: Mapping[str, str]) -> dict[str, str]:
+    keep = ("Content-Type", "Cache-Control", "Retry-After")
+    return {k: v for k, v in headers.items() if k in keep}
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER]
+    decode = router.pick("decode")
+    assert router.session is not None
+    auth = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+    async with router.session.get(decode.url + "/v1/models", headers=auth) as upstream:
+        return web.Response(body=await upstream.read(), status=upstream.status, content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    sides = {
+        side: [
+            {"url": b.url, "healthy": b.healthy, **({"error": b.why} if b.why else {})}
+            for b in router.backends
+            if b.side == side
+        ]
+        for side in ("prefill", "decode")
+    }
+    ok = all(any(b["healthy"] for b in servers) for servers in sides.values())
+    return web.json_response({"status": "ok" if ok else "unhealthy", **sides}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Every healthy server's metrics with a `backend` label, after the router's own."""
+    router = request.app[ROUTER]
+    lines = ["# TYPE ppserve_router_backend_healthy gauge", "# TYPE ppserve_router_requests_total counter"]
+    for b in router.backends:
+        label = f'backend="{b.url}",side="{b.side}"'
+        lines.append(f"ppserve_router_backend_healthy{{{label}}} {int(b.healthy)}")
+        lines.append(f"ppserve_router_requests_total{{{label}}} {b.routed}")
+    seen: set[str] = set()
+    assert router.session is not None
+    for b in router.backends:
+        if not b.healthy:
+            continue
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with router.session.get(b.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                text = await resp.text()
+            lines += _relabel(text, b.url, seen)
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _relabel(text: str, url: str, seen: set[str]) -> list[str]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            if line not in seen:  # one HELP and TYPE per family
+                seen.add(line)
+                out.append(line)
+            continue
+        if m := _SAMPLE.match(line):
+            name, labels, rest = m.group(1), m.group(2), m.group(3)
+            inner = f"backend={json.dumps(url)}" + (f",{labels[1:-1]}" if labels and labels != "{}" else "")
+            out.append(f"{name}{{{inner}}}{rest}")
+    return out
+
+
+def create_router(prefill: list[str], decode: list[str]) -> web.Application:
+    backends = [Backend(u.rstrip("/"), "prefill") for u in prefill]
+    backends += [Backend(u.rstrip("/"), "decode") for u in decode]
+    app = web.Application(middlewares=[_errors])
+    app[ROUTER] = Router(backends)
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        router = app[ROUTER]
+        router.session = aiohttp.ClientSession()
+        router.tasks.append(asyncio.create_task(router.watch()))
+        yield
+        for task in router.tasks:
+            task.cancel()
+        await asyncio.gather(*router.tasks, return_exceptions=True)
+        await router.session.close()
+
+    app.cleanup_ctx.append(lifetime)
+    for path in ROUTED:
+        app.router.add_post(path, route)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    return app

@@ -1,0 +1,84 @@
+"""A disaggregated deployment as a user starts it: a prefill server, a decode server and the
+router in front, each its own `ppserve` process, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import pipeline
+from live_server import LiveServer
+
+from ppserve.engine.tokenizer import Tokenizer
+from ppserve.scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+KEY = "pd-test-key"
+
+
+@pytest.fixture(scope="module")
+def deployment(llama_dir: Path) -> Iterator[tuple[LiveServer, LiveServer, LiveServer]]:
+    common = ["--kv-cache-gb", "0.02", "--no-playground", "--served-model-name", "m"]
+    prefill = LiveServer(llama_dir, *common, "--pp-size", "2", "--disaggregation-mode", "prefill", api_key=KEY)
+    decode = LiveServer(llama_dir, *common, "--disaggregation-mode", "decode", api_key=KEY)
+    router = LiveServer(None, "--prefill", prefill.url, "--decode", decode.url, api_key=None, command="router")
+    router.api_key = KEY  # forwarded to the servers
+    try:
+        router.wait_until(lambda: router.request("GET", "/health")[0] == 200, what="both sides healthy")
+        yield prefill, decode, router
+    finally:
+        for server in (router, decode, prefill):
+            server.stop()
+
+
+def test_completions_through_the_router_match_one_colocated_engine(
+    deployment: tuple[LiveServer, LiveServer, LiveServer], llama_dir: Path
+) -> None:
+    prefill, decode, router = deployment
+    assert any(re.search(r"prefill side of a disaggregated pair; bootstrap at tcp://", line) for line in prefill.output)
+    prompt = "The pipeline stage hands its cache"
+    ids = Tokenizer(llama_dir).encode(prompt)
+    expected = pipeline(llama_dir).generate([ids], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    status, _, raw = router.request("POST", "/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["text"] == Tokenizer(llama_dir).decode(expected.token_ids)
+    status, headers, raw = router.request("POST", "/v1/completions", {**body, "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == Tokenizer(llama_dir).decode(expected.token_ids)
+    health = json.loads(router.request("GET", "/health")[2])
+    assert health["status"] == "ok" and health["prefill"][0]["healthy"] and health["decode"][0]["healthy"]
+    metrics = router.request("GET", "/metrics")[2].decode()
+    assert f'ppserve_router_requests_total{{backend="{decode.url}",side="decode"}} 2' in metrics
+    assert f'backend="{prefill.url}"' in metrics and "ppserve_kv_blocks" in metrics
+
+
+def test_errors_have_the_servers_shape(deployment: tuple[LiveServer, LiveServer, LiveServer]) -> None:
+    prefill, decode, router = deployment
+    status, _, raw = router.request("POST", "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -1})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"  # the decode server's answer
+    status, _, raw = decode.request(
+        "POST", "/v1/completions", {"model": "m", "prompt": "x"}, headers={"X-PPServe-Prefill": "nonsense"}
+    )
+    assert status == 400 and "X-PPServe-Prefill" in json.loads(raw)["error"]["message"]
+    status, _, raw = prefill.request(
+        "POST", "/v1/completions", {"model": "m", "prompt": "x"}, headers={"X-PPServe-Prefill": "tcp://h:1"}
+    )
+    assert status == 400 and "for decode servers" in json.loads(raw)["error"]["message"]
+
+
+def test_the_router_with_no_prefill_server_up(llama_dir: Path) -> None:
+    down = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+    router = LiveServer(None, *down, api_key=None, command="router")
+    try:
+        router.wait_until(lambda: "leaves the rotation" in "".join(router.output), what="a failed check")
+        status, _, raw = router.request("POST", "/v1/completions", {"model": "m", "prompt": "x"})
+        error = json.loads(raw)["error"]
+        assert status == 503 and error["type"] == "service_unavailable" and "is healthy" in error["message"]
+        assert router.request("GET", "/health")[0] == 503
+    finally:
+        assert router.stop() == 0
