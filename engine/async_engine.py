@@ -29,6 +29,7 @@ import zmq
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg import DecodeRooms, PrefillRooms
+from ppserve.engine.disagg_faults import DisaggFaults
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.restart_budget import RestartBudget
 from ppserve.engine.stage_pool import StageError, StagePool
@@ -113,6 +114,8 @@ class AsyncEngine:
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
+        if self.config.disaggregation:
+            DisaggFaults.from_env()  # a malformed PPSERVE_DISAGG_FAULTS is a ValueError before anything starts
         pool = StagePool(self.config, self._on_result, self._on_stage_failure)
         self._pool = pool
         atexit.register(pool.kill_now)
@@ -139,6 +142,8 @@ class AsyncEngine:
 
     def _start_rooms(self, pool: StagePool) -> None:
         cfg = self.config
+        if cfg.disaggregation and (faults := DisaggFaults.from_env()) is not None and faults.active:
+            log.warning("%s", faults.describe())  # loudly: its stages inject these faults
         if cfg.disaggregation == "prefill":
             self.rooms = PrefillRooms(self)
         elif cfg.disaggregation == "decode":

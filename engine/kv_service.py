@@ -138,41 +138,63 @@ class KvImporter:
         address: str,
         guard: Guard | None = None,
         backend: str = "zmq",
+        faults: FaultDice | None = None,
     ) -> None:
         self.stage, self.own, self.cache, self.run, self.report = stage, own, cache, run, report
+        self.faults = faults
+        self._delayed: set[asyncio.Task[None]] = set()  # chunks held back by injected jitter
         self.receiver = open_receiver(backend, ctx, address, guard)
         self.address = self.receiver.address
         self.rooms: dict[str, _Incoming] = {}
 
     def expect(self, room: str, blocks: Sequence[int]) -> None:
         """The room's blocks on this stage (its KV arrives into them, block-table order)."""
+        if self.faults is not None and self.faults.drop_handshake():
+            log.warning("decode stage %d: dropped the announcement of room %s (injected)", self.stage, room)
+            return  # its chunks are refused as unexpected; the decode host's timeout ends the room
         self.rooms[room] = _Incoming(list(blocks), {layer: set() for layer in self.own})
 
     def drop(self, room: str) -> None:
         self.rooms.pop(room, None)
 
     async def serve(self) -> None:
-        """Write chunks as they come (runs until cancelled)."""
+        """Write chunks as they come (runs until cancelled). With injected jitter each chunk
+        waits on its own, as on a network, without holding up the others."""
         while True:
             chunk, data = await self.receiver.recv()
-            room = self.rooms.get(chunk.room)
-            if (problem := self._check(chunk, room)) is not None:
-                log.warning("decode stage %d: dropped a KV chunk of room %s: %s", self.stage, chunk.room, problem)
-                continue
-            assert room is not None
-            layers = range(chunk.layer_start, chunk.layer_stop)
-            into = room.blocks[chunk.block_offset : chunk.block_offset + chunk.num_blocks]
-            try:
-                await self.run(partial(write_blocks, self.cache(), self.own, layers, into, data))
-            except (ValueError, RuntimeError) as e:  # a shape or dtype that does not fit this cache
-                self.rooms.pop(chunk.room, None)
-                await self.report(KvStatus(chunk.room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
-                continue
-            for layer in layers:
-                room.got[layer].update(range(chunk.block_offset, chunk.block_offset + chunk.num_blocks))
-            if all(len(got) == len(room.blocks) for got in room.got.values()):
-                del self.rooms[chunk.room]
-                await self.report(KvStatus(chunk.room, self.stage, "Received"))
+            if self.faults is None:
+                await self._deliver(chunk, data)
+            else:
+                task = asyncio.create_task(self._deliver(chunk, data, self.faults.jitter_s()))
+                self._delayed.add(task)
+                task.add_done_callback(self._delayed.discard)
+
+    async def _deliver(self, chunk: KvChunk, data: torch.Tensor, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
+        room = self.rooms.get(chunk.room)
+        if (problem := self._check(chunk, room)) is not None:
+            log.warning("decode stage %d: dropped a KV chunk of room %s: %s", self.stage, chunk.room, problem)
+            return
+        assert room is not None
+        if self.faults is not None and self.faults.fail_transfer():
+            self.rooms.pop(chunk.room, None)
+            await self.report(KvStatus(chunk.room, self.stage, "Failed", "the transfer failed (injected)"))
+            return
+        layers = range(chunk.layer_start, chunk.layer_stop)
+        into = room.blocks[chunk.block_offset : chunk.block_offset + chunk.num_blocks]
+        try:
+            await self.run(partial(write_blocks, self.cache(), self.own, layers, into, data))
+        except (ValueError, RuntimeError) as e:  # a shape or dtype that does not fit this cache
+            self.rooms.pop(chunk.room, None)
+            await self.report(KvStatus(chunk.room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
+            return
+        if self.rooms.get(chunk.room) is not room:
+            return  # dropped while it was written (the host ended the room)
+        for layer in layers:
+            room.got[layer].update(range(chunk.block_offset, chunk.block_offset + chunk.num_blocks))
+        if all(len(got) == len(room.blocks) for got in room.got.values()):
+            del self.rooms[chunk.room]
+            await self.report(KvStatus(chunk.room, self.stage, "Received"))
 
     def _check(self, chunk: KvChunk, room: _Incoming | None) -> str | None:
         if room is None:
@@ -186,4 +208,6 @@ class KvImporter:
         return None
 
     def close(self) -> None:
+        for task in self._delayed:
+            task.cancel()
         self.receiver.close()

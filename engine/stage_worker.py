@@ -283,13 +283,14 @@ class StageWorker:
             return self.runner.kv_cache  # type: ignore[union-attr]
 
         own = self.config.layer_ranges[self.stage]
+        faults = DisaggFaults.from_env()
+        dice = faults.for_stage(mode, self.stage) if faults is not None and faults.active else None
         if mode == "prefill":
-            faults = DisaggFaults.from_env()
-            dice = faults.for_stage("prefill", self.stage) if faults is not None else None
             self.kv = KvExporter(self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice)
         else:
             host = self.config.cluster.node_addr if self.config.cluster else self.config.disagg_host
-            self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, tcp_address(host, "*"), self.guard)
+            address = tcp_address(host, "*")
+            self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, address, self.guard, faults=dice)
             self._kv_tasks.add(self._watch(asyncio.create_task(self.kv.serve())))
 
     async def _reset(self, epoch: int, first_mb: int) -> None:

@@ -136,7 +136,11 @@ class BootstrapTable:
         for r in self.rooms.values():
             if r.error is not None:
                 continue
-            for stage, (state, since) in enumerate(zip(r.states, r.since, strict=True)):
+            # The stage furthest behind first: it is the one holding the others up.
+            order = list(KvState)
+            behind = sorted(range(self.num_stages), key=lambda i: (order.index(r.states[i]), i))
+            for stage in behind:
+                state, since = r.states[stage], r.since[stage]
                 limit = self.transfer_timeout_s if state is KvState.TRANSFERRING else self.bootstrap_timeout_s
                 # WaitingForInput lasts until the prefill is done: only a room not yet admitted can stall in it.
                 waits_on_prefill = state is KvState.WAITING_FOR_INPUT and r.admitted
