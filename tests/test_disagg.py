@@ -4,7 +4,9 @@ decode side continues exactly as one colocated engine would."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from helpers import pipeline
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg import DisaggregationError, PrefillRooms
+from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -153,3 +156,29 @@ async def test_chaos_every_request_is_exact_or_fails_clearly(llama_dir: Path, mo
             timeout_s=30,
         )
         assert p.healthy and d.healthy and p.stage_restarts == [0, 0] and d.stage_restarts == [0, 0]
+
+
+async def test_a_prefill_stage_killed_mid_transfer_fails_the_room_and_frees_the_kv(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PPSERVE_DISAGG_FAULTS", "jitter_ms=400-400,seed=3")  # transfers take a while
+    timeouts = {"disagg_bootstrap_timeout_s": 5.0, "disagg_transfer_timeout_s": 2.0}
+    async with engine(llama_dir, "prefill", 2, None, **timeouts) as p:
+        monkeypatch.delenv("PPSERVE_DISAGG_FAULTS")
+        async with engine(llama_dir, "decode", 1, None, **timeouts) as d:
+            rooms = p.rooms
+            assert isinstance(rooms, PrefillRooms)
+            task = asyncio.create_task(collect(d, list(range(60)), GREEDY, rooms.address))
+            await _settles(
+                lambda: any(KvState.TRANSFERRING in r.states for r in rooms.table.rooms.values()), timeout_s=30
+            )
+            os.kill(p.pool.procs[1].pid or 0, signal.SIGKILL)
+            with pytest.raises(DisaggregationError, match=r"prefill stage 1 failed in state Transferring: timed out"):
+                await task
+            await _settles(
+                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.receiving,
+                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms,
+                timeout_s=30,
+            )
+            await _settles(lambda: p.stage_restarts == [0, 1] and not p.recovering, timeout_s=60)
+            assert len(await collect(d, [1, 2, 3], GREEDY, rooms.address)) == 12  # the healed pair serves on

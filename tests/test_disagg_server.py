@@ -82,3 +82,32 @@ def test_the_router_with_no_prefill_server_up(llama_dir: Path) -> None:
         assert router.request("GET", "/health")[0] == 503
     finally:
         assert router.stop() == 0
+
+
+def test_the_router_routes_around_a_dead_decode_server(llama_dir: Path) -> None:
+    common = ["--kv-cache-gb", "0.02", "--no-playground", "--served-model-name", "m", "--disaggregation-mode"]
+    prefill = LiveServer(llama_dir, *common, "prefill", api_key=None)
+    decodes = [LiveServer(llama_dir, *common, "decode", api_key=None) for _ in range(2)]
+    router = LiveServer(
+        None, "--prefill", prefill.url, "--decode", *(d.url for d in decodes), api_key=None, command="router"
+    )
+    try:
+        router.wait_until(lambda: router.request("GET", "/health")[0] == 200, what="both sides healthy")
+        decodes[0].proc.kill()  # gone without a word; its stages follow
+        decodes[0].proc.wait()
+
+        def first_decode_out() -> bool:
+            health = json.loads(router.request("GET", "/health")[2])
+            return not health["decode"][0]["healthy"]
+
+        router.wait_until(first_decode_out, what="the dead decode server out of the rotation")
+        body = {"model": "m", "prompt": "around", "max_tokens": 4, "temperature": 0}
+        assert all(router.request("POST", "/v1/completions", body)[0] == 200 for _ in range(3))
+        assert (
+            f'ppserve_router_requests_total{{backend="{decodes[1].url}",side="decode"}} 3'
+            in router.request("GET", "/metrics")[2].decode()
+        )
+        prefill.wait_until(lambda: prefill.metrics()["ppserve_kv_blocks_used"] == 0, what="the prefill KV freed")
+    finally:
+        for server in (router, *decodes, prefill):
+            server.stop()
