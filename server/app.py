@@ -238,14 +238,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in OPEN_PATHS or _browser_websocket(request):
-        return await handler(request)
-    if not request.app[STATE].key_matches(bearer_token(request.headers.get("Authorization", ""))):
+    if not (request.path in OPEN_PATHS or _browser_websocket(request)) and not request.app[STATE].key_matches(
+        bearer_token(request.headers.get("Authorization", ""))
+    ):
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
     prefill = request.headers.get(PREFILL_HEADER)
     if prefill is None:
         return await handler(request)
-    # Only past the key check: the address is one this server will connect to.
+    # A browser cannot set this header; anyone else passed the key check above (the address is
+    # one this server will connect to).
     if request.app[STATE].config.disaggregation != "decode":
         raise ApiError(400, f"{PREFILL_HEADER} is for decode servers (--disaggregation-mode decode)")
     if not prefill.startswith("tcp://") or len(prefill) > 300:

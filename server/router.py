@@ -128,6 +128,45 @@ def _passed(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k in keep}
 
 
+async def websocket(request: web.Request) -> web.StreamResponse:
+    """/ws, message for message, to a decode server (its first-message auth passes through)."""
+    router = request.app[ROUTER]
+    decode, prefill = router.pick("decode"), router.pick("prefill")
+    assert router.session is not None
+    headers = {PREFILL_HEADER: prefill.bootstrap}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    try:
+        upstream = await router.session.ws_connect(decode.url + "/ws", headers=headers)
+    except aiohttp.ClientError as e:
+        raise ApiError(503, f"decode server {decode.url} failed: {e}", headers={"Retry-After": "1"}) from None
+    client = web.WebSocketResponse()
+    await client.prepare(request)
+    decode.inflight += 1
+    try:
+        pumps = [asyncio.create_task(_pump(client, upstream)), asyncio.create_task(_pump(upstream, client))]
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    finally:
+        decode.inflight -= 1
+        await upstream.close()
+        await client.close(code=upstream.close_code or aiohttp.WSCloseCode.OK)
+    return client
+
+
+async def _pump(
+    src: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+    dst: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+) -> None:
+    async for msg in src:
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            await dst.send_str(msg.data)
+        elif msg.type == aiohttp.WSMsgType.BINARY:
+            await dst.send_bytes(msg.data)
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     decode = router.pick("decode")
@@ -208,4 +247,5 @@ def create_router(prefill: list[str], decode: list[str]) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/ws", websocket)
     return app

@@ -3,6 +3,7 @@ router in front, each its own `ppserve` process, over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -111,3 +112,29 @@ def test_the_router_routes_around_a_dead_decode_server(llama_dir: Path) -> None:
     finally:
         for server in (router, *decodes, prefill):
             server.stop()
+
+
+def test_websocket_through_the_router(deployment: tuple[LiveServer, LiveServer, LiveServer], llama_dir: Path) -> None:
+    _, _, router = deployment
+    prompt = "Streams over a socket"
+    ids = Tokenizer(llama_dir).encode(prompt)
+    expected = pipeline(llama_dir).generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+
+    async def talk() -> list[int]:
+        import aiohttp
+
+        tokens: list[int] = []
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with session.ws_connect(router.url + "/ws", headers=headers) as ws:
+                params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                await ws.send_json({"type": "generate", "id": "a", "text": prompt, "sampling_params": params})
+                async for msg in ws:
+                    event = json.loads(msg.data)
+                    assert event["type"] in ("token", "done"), event
+                    if event["type"] == "done":
+                        return tokens
+                    tokens.append(event["token_id"])
+        return tokens
+
+    assert asyncio.run(talk()) == expected.token_ids
