@@ -6,7 +6,7 @@ Workload: decoding streams that run throughout, and long prompts arriving every 
   PD:        a prefill engine (PP=1) and a decode engine (PP=1): the same two stage processes.
 Reported: inter-token latency p50/p99 of the decoding streams while the long prompts arrive,
 the long prompts' time to first token, and the transfer's own cost: one long prompt's TTFT on
-an idle deployment, PD against colocated.
+an idle deployment, PD against colocated and against the prefill engine alone (the handover).
 
     python scripts/bench_pd.py [--quick]
 """
@@ -119,11 +119,14 @@ async def main_async(quick: bool) -> dict[str, Any]:
         assert isinstance(p.rooms, PrefillRooms)
         results["pd"] = await measure(d, p.rooms.address, streams, longs, long_len)
         results["pd"]["idle_ttft_s"] = round(await idle_ttft(d, p.rooms.address, long_len), 3)
+        # The same prompt on the prefill engine alone: what the handover itself adds to TTFT.
+        results["pd"]["prefill_engine_alone_idle_ttft_s"] = round(await idle_ttft(p, None, long_len), 3)
     c, pd = results["colocated"], results["pd"]
     results["ratios"] = {
         "itl_p99_pd_over_colocated": round(pd["itl_p99_ms"] / c["itl_p99_ms"], 3),
         "itl_p50_pd_over_colocated": round(pd["itl_p50_ms"] / c["itl_p50_ms"], 3),
         "idle_ttft_pd_over_colocated": round(pd["idle_ttft_s"] / c["idle_ttft_s"], 3),
+        "handover_s": round(pd["idle_ttft_s"] - pd["prefill_engine_alone_idle_ttft_s"], 3),
     }
     results["workload"] = {"decode_streams": streams, "long_prompts": longs, "long_prompt_tokens": long_len}
     results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
