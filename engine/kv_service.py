@@ -53,9 +53,11 @@ class KvExporter:
         guard: Guard | None = None,
         backend: str = "zmq",
         faults: FaultDice | None = None,
+        send_timeout_s: float = 30.0,
     ) -> None:
         self.ctx, self.stage, self.own, self.cache, self.run, self.report = ctx, stage, own, cache, run, report
         self.guard, self.backend, self.faults = guard, backend, faults
+        self.send_timeout_s = send_timeout_s  # a receiver that is gone leaves a send waiting
         self.targets: dict[str, list[KvTarget]] = {}  # rooms past their handshake
         self.senders: dict[str, KvSender] = {}  # by address, kept for later rooms
         self.exporting: set[str] = set()
@@ -100,7 +102,12 @@ class KvExporter:
                         room, self.stage, layers.start, layers.stop, offset, count, len(blocks),
                         str(data.dtype).removeprefix("torch."), tuple(data.shape),
                     )  # fmt: skip
-                    await self.senders[t.address].send(chunk, data)
+                    try:
+                        await asyncio.wait_for(self.senders[t.address].send(chunk, data), self.send_timeout_s)
+                    except TimeoutError:
+                        raise RuntimeError(
+                            f"decode stage {t.dst_stage} took no KV for {self.send_timeout_s:g} s"
+                        ) from None
         except Exception as e:  # reported, never raised: one room's trouble is not the stage's
             await self.report(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
             return

@@ -286,7 +286,10 @@ class StageWorker:
         faults = DisaggFaults.from_env()
         dice = faults.for_stage(mode, self.stage) if faults is not None and faults.active else None
         if mode == "prefill":
-            self.kv = KvExporter(self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice)
+            timeout_s = self.config.disagg_transfer_timeout_s
+            self.kv = KvExporter(
+                self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice, send_timeout_s=timeout_s
+            )
         else:
             host = self.config.cluster.node_addr if self.config.cluster else self.config.disagg_host
             address = tcp_address(host, "*")

@@ -18,6 +18,9 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg import DisaggregationError, PrefillRooms
 from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.addresses import free_ports
+from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.messages import KvTarget, RoomFirstToken, RoomOpen
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +185,28 @@ async def test_a_prefill_stage_killed_mid_transfer_fails_the_room_and_frees_the_
             )
             await _settles(lambda: p.stage_restarts == [0, 1] and not p.recovering, timeout_s=60)
             assert len(await collect(d, [1, 2, 3], GREEDY, rooms.address)) == 12  # the healed pair serves on
+
+
+async def test_a_decode_side_that_vanishes_leaves_the_prefill_side_clean(llama_dir: Path) -> None:
+    """A decode host opens a room and is gone (its stages' receivers never answer): the prefill
+    side prefills, answers, hands the KV to its sockets and frees it; nothing waits on the dead."""
+    async with engine(llama_dir, "prefill", 2, None, disagg_transfer_timeout_s=2.0) as p:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        nowhere = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+        ranges = p.config.layer_ranges
+        stages = [KvTarget(0, nowhere[0], 0, 2), KvTarget(1, nowhere[1], 2, ranges[-1].stop)]
+        ctx = context()
+        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True)  # the decode host, until it vanishes
+        link = PushSocket(ctx, rooms.address, bind=False)
+        try:
+            room = RoomOpen("lost", list(range(60)), GREEDY.wire(), stages, 16, ranges[-1].stop, inbox.address)
+            link.send_nowait(room)
+            first = await asyncio.wait_for(inbox.recv(), 30)
+            assert isinstance(first, RoomFirstToken) and first.room == "lost"
+            await _settles(lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms)
+            assert p.healthy and p.stage_restarts == [0, 0]
+        finally:
+            link.close()
+            inbox.close()
+            ctx.term()
