@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,6 +56,7 @@ class EngineConfig:
     disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
     disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg.py)
     disagg_transfer_timeout_s: float = 30.0
+    disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets, if any
 
     @classmethod
     def create(
@@ -91,6 +92,7 @@ class EngineConfig:
         disagg_port: int = 0,
         disagg_bootstrap_timeout_s: float = 30.0,
         disagg_transfer_timeout_s: float = 30.0,
+        disagg_key: bytes | None = None,
     ) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
@@ -219,6 +221,7 @@ class EngineConfig:
             disagg_port=disagg_port,
             disagg_bootstrap_timeout_s=disagg_bootstrap_timeout_s,
             disagg_transfer_timeout_s=disagg_transfer_timeout_s,
+            disagg_key=disagg_key,
         )
 
     @property
@@ -234,6 +237,12 @@ class EngineConfig:
     def process_group(self) -> str | None:
         """The torch.distributed backend every stage joins, if any edge uses one."""
         return next((k for k in self.edge_transports if k in ("gloo", "nccl")), None)
+
+    @property
+    def socket_key(self) -> bytes | None:
+        """The secret that guards this engine's sockets across machines (a cluster's, else a
+        disaggregated pair's), if one was given."""
+        return self.cluster.key if self.cluster is not None else self.disagg_key
 
     def disagg_address(self, port: int | None = None) -> str:
         """A ZeroMQ address on the disaggregation host: at `port`, else any free port."""

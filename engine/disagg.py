@@ -29,6 +29,7 @@ from ppserve.engine.kv_blocks import layer_slices
 from ppserve.scheduler.bootstrap import BootstrapTable, KvState, handshake_order
 from ppserve.scheduler.request import Request
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     KvBootstrap,
@@ -50,6 +51,11 @@ log = logging.getLogger("ppserve.disagg")
 TICK_S = 0.1
 
 
+def _guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str) -> Guard | None:
+    """With a secret (--cluster-key-file), the pair's sockets speak CURVE, as a cluster's do."""
+    return Guard(ctx, CurveKeys.from_secret(key), who) if key is not None else None
+
+
 class DisaggregationError(RuntimeError):
     """A room failed: the message names the side, the stage and the state."""
 
@@ -57,18 +63,20 @@ class DisaggregationError(RuntimeError):
 class _Links:
     """PUSH sockets to peers by address, opened on first use."""
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: zmq.asyncio.Context, guard: Guard | None) -> None:
+        self.ctx, self.guard = ctx, guard
         self.socks: dict[str, PushSocket] = {}
 
     def send(self, address: str, msg: RoomOpen | RoomFirstToken | RoomFailed) -> None:
         if address not in self.socks:
-            self.socks[address] = PushSocket(self.ctx, address, bind=False)
+            self.socks[address] = PushSocket(self.ctx, address, bind=False, guard=self.guard)
         self.socks[address].send_nowait(msg)
 
     def close(self) -> None:
         for sock in self.socks.values():
             sock.close(linger_ms=200)
+        if self.guard is not None:
+            self.guard.stop()
 
 
 @dataclass
@@ -86,9 +94,10 @@ class PrefillRooms:
         cfg = self.config = engine.config
         self.table = BootstrapTable(cfg.pp_size, cfg.disagg_bootstrap_timeout_s, cfg.disagg_transfer_timeout_s)
         self.ctx = context()
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address(cfg.disagg_port), bind=True)
+        guard = _guard(self.ctx, cfg.socket_key, "prefill host")
+        self.inbox = PullSocket(self.ctx, cfg.disagg_address(cfg.disagg_port), bind=True, guard=guard)
         self.address = self.inbox.address
-        self.links = _Links(self.ctx)
+        self.links = _Links(self.ctx, guard)
         self.rooms: dict[str, _PrefillRoom] = {}
 
     async def serve(self) -> None:
@@ -229,9 +238,10 @@ class DecodeRooms:
         cfg = self.config = engine.config
         self.timeout_s = cfg.disagg_bootstrap_timeout_s + cfg.disagg_transfer_timeout_s
         self.ctx = context()
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address(), bind=True)
+        guard = _guard(self.ctx, cfg.socket_key, "decode host")
+        self.inbox = PullSocket(self.ctx, cfg.disagg_address(), bind=True, guard=guard)
         self.address = self.inbox.address
-        self.links = _Links(self.ctx)
+        self.links = _Links(self.ctx, guard)
         self.rooms: dict[str, _DecodeRoom] = {}
 
     async def serve(self) -> None:

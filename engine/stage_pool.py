@@ -140,7 +140,7 @@ class StagePool:
                 threads=self.config.threads_per_stage,
                 parent_pid=os.getpid(),
                 first_mb=first_mb,
-                key=self.config.cluster.key if self.config.cluster else None,
+                key=self.config.socket_key,
             )
         )
         self._reported.discard(self._id(stage, proc.pid))  # a pid the OS reused from a process reported before

@@ -159,9 +159,12 @@ class StageWorker:
         self.config = launch.config
         self.last = launch.stage == launch.config.pp_size - 1
         self.ctx = context()
+        # The key guards the sockets that cross machines: in a cluster all of them; on one host
+        # (ipc:// in a private directory) only a disaggregated pair's KV sockets.
         self.guard = Guard(self.ctx, CurveKeys.from_secret(launch.key), f"stage {self.stage}") if launch.key else None
-        self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False, guard=self.guard)
-        self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False, guard=self.guard)
+        self.link_guard = self.guard if launch.config.cluster is not None else None
+        self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False, guard=self.link_guard)
+        self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False, guard=self.link_guard)
         # The stage's GPU, on CUDA. The current device is per thread: it is set in this thread (by
         # stage_main) and in the compute thread, so "cuda" always means this stage's GPU.
         self.gpu = launch.config.stage_gpus[launch.stage] if launch.config.stage_gpus else None
@@ -344,9 +347,9 @@ class StageWorker:
 
             self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
         if launch.inbound is not None:
-            self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.guard)
+            self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.link_guard)
         if launch.outbound is not None:
-            self.outbound = open_channel(self.ctx, launch.outbound, sender=True, guard=self.guard)
+            self.outbound = open_channel(self.ctx, launch.outbound, sender=True, guard=self.link_guard)
         # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
         # before serving: the first micro-batch never pays for them, nor waits on them.
         await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))

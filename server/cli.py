@@ -358,6 +358,8 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
 
 
 def _disaggregation(args: argparse.Namespace) -> dict[str, Any]:
+    from ppserve.transport.cluster_key import load_key
+
     mode = getattr(args, "disaggregation_mode", None)
     if not mode:
         return {}
@@ -367,6 +369,7 @@ def _disaggregation(args: argparse.Namespace) -> dict[str, Any]:
         "disagg_port": args.disaggregation_bootstrap_port,
         "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
         "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
+        "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets then speak CURVE
     }
 
 

@@ -28,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.5, ignore_eos=True)
 
 
-def engine(model: Path, mode: str, pp: int, partition: str | None = None, **kw: float) -> AsyncEngine:
+def engine(model: Path, mode: str, pp: int, partition: str | None = None, **kw: float | bytes) -> AsyncEngine:
     kw.setdefault("num_kv_blocks", 128)
     config = EngineConfig.create(
         model, pp_size=pp, layer_partition=partition, disaggregation=mode, threads_per_stage=1,
@@ -210,3 +210,20 @@ async def test_a_decode_side_that_vanishes_leaves_the_prefill_side_clean(llama_d
             link.close()
             inbox.close()
             ctx.term()
+
+
+async def test_the_pair_under_a_cluster_key(llama_dir: Path) -> None:
+    """With a secret, the pair's sockets speak CURVE: the keyed pair works, a keyless decode
+    engine reaches nothing (its room times out) and the prefill side stays clean."""
+    key = {"disagg_key": b"a-secret-for-the-pair-0123"}
+    short = {"disagg_bootstrap_timeout_s": 1.0, "disagg_transfer_timeout_s": 1.0}
+    prefill, decode = engine(llama_dir, "prefill", 2, None, **key), engine(llama_dir, "decode", 1, None, **key)
+    async with prefill as p, decode as d:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        expected = pipeline(llama_dir).generate([[4, 5, 6, 7]], GREEDY)[0].token_ids
+        assert await collect(d, [4, 5, 6, 7], GREEDY, rooms.address) == expected
+        async with engine(llama_dir, "decode", 1, None, **short) as outsider:
+            with pytest.raises(DisaggregationError, match="waited"):
+                await collect(outsider, [4, 5, 6, 7], GREEDY, rooms.address)
+        assert not rooms.rooms and p.scheduler.allocator.num_free == 128
