@@ -175,7 +175,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     options = options or ServerOptions()
     quiet_client_errors()
     checks = browser_checks(options.host, options.allowed_origins)
-    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[_errors, checks, _auth])
+    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[json_errors, checks, _auth])
     app[STATE] = ServerState(config, options)
     app.cleanup_ctx.append(_engine_lifetime)
     app.on_shutdown.append(_on_shutdown)
@@ -215,8 +215,8 @@ async def _on_shutdown(app: web.Application) -> None:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI's JSON error shape."""
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI's JSON error shape (the router's too)."""
     try:
         return await handler(request)
     except ApiError as e:

@@ -19,13 +19,13 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
-from ppserve.server.app import PREFILL_HEADER
+from ppserve.server.app import PREFILL_HEADER, json_errors
 from ppserve.server.protocol import ApiError
 
 log = logging.getLogger("ppserve.router")
@@ -83,18 +83,6 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The router's own errors, in the servers' JSON shape."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return web.json_response(e.body(), status=e.status, headers=e.headers)
 
 
 async def route(request: web.Request) -> web.StreamResponse:
@@ -228,7 +216,7 @@ def _relabel(text: str, url: str, seen: set[str]) -> list[str]:
 def create_router(prefill: list[str], decode: list[str]) -> web.Application:
     backends = [Backend(u.rstrip("/"), "prefill") for u in prefill]
     backends += [Backend(u.rstrip("/"), "decode") for u in decode]
-    app = web.Application(middlewares=[_errors])
+    app = web.Application(middlewares=[json_errors])  # the router's own errors: the servers' shape
     app[ROUTER] = Router(backends)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
