@@ -140,25 +140,29 @@ async def test_curve_refuses_and_logs_peers_without_the_key(intruder: str, caplo
     elif intruder == "own keypair":  # knows the server's public key, but not the secret
         public, secret = zmq.curve_keypair()
         sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, keys.public
-    sock.connect(pull.address)
-    await sock.send(encode(Heartbeat(66)))  # a well-formed message: it never arrives
-    member = PushSocket(peer_ctx, pull.address, bind=False, guard=peer_guard)
-    await member.send(Heartbeat(1))
-    assert await asyncio.wait_for(pull.recv(), 10) == Heartbeat(1)
-    for _ in range(100):  # the refusal is logged (the monitor runs on this loop)
-        if any("refused a connection" in r.message for r in caplog.records):
-            break
-        await asyncio.sleep(0.05)
-    refused = [r.message for r in caplog.records if "refused a connection" in r.message]
-    assert refused and refused[0].startswith(f"host: refused a connection on {pull.address}")
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(pull.recv(), 0.3)  # nothing from the intruder got through
-    for s in (sock, member, pull):
-        s.close()
-    guard.stop()
-    peer_guard.stop()
-    server_ctx.term()
-    peer_ctx.term()
+    member = None
+    try:
+        sock.connect(pull.address)
+        await sock.send(encode(Heartbeat(66)))  # a well-formed message: it never arrives
+        member = PushSocket(peer_ctx, pull.address, bind=False, guard=peer_guard)
+        await member.send(Heartbeat(1))
+        assert await asyncio.wait_for(pull.recv(), 10) == Heartbeat(1)
+        for _ in range(100):  # the refusal is logged (the monitor runs on this loop)
+            if any("refused a connection" in r.message for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        refused = [r.message for r in caplog.records if "refused a connection" in r.message]
+        assert refused and refused[0].startswith(f"host: refused a connection on {pull.address}")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pull.recv(), 0.3)  # nothing from the intruder got through
+    finally:  # a failed check must not leave a socket open: term() would wait for it
+        for s in (sock, member, pull):
+            if s is not None:
+                s.close()
+        guard.stop()
+        peer_guard.stop()
+        server_ctx.term()
+        peer_ctx.term()
 
 
 LAYOUT = Layout("tcp://127.0.0.1:1", ["tcp://127.0.0.1:2"] * 4, ["e0", "e1", "e2"], ["", "c1", "c2"])

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 import torch
-import zmq
 
 from ppserve.engine.kv_blocks import layer_slices, read_blocks, write_blocks
 from ppserve.transport.cluster_key import CurveKeys, Guard
@@ -35,38 +34,44 @@ async def test_a_stage_pair_streams_its_shared_layers_block_by_block(
     guard = Guard(ctx, CurveKeys.from_secret(b"a-secret-for-the-kv-test"), "test") if secured else None
     receiver = open_receiver("zmq", ctx, "tcp://127.0.0.1:*", guard)
     sender = open_sender("zmq", ctx, receiver.address, guard)
-    junk = ctx.socket(zmq.PUSH)
-    if guard is not None:
-        guard.keys.apply(junk, server=False)
-    junk.connect(receiver.address)
-    await junk.send_multipart([b"not a chunk", b"\x00"])  # dropped by the receiver, logged
+    try:
+        # On the sender's own connection, so it arrives before the chunks: dropped by the receiver, logged.
+        await sender.push.send_frames([b"not a chunk", b"\x00"])  # type: ignore[attr-defined]
 
-    per_block = src_cache[0:1, :, 0:1].numel() * len(pair.layers) * src_cache.element_size()
-    runs = list(block_chunks(len(src_blocks), per_block, max_bytes=2 * per_block))
-    assert len(runs) == 3
-    for offset, count in runs:
-        data = read_blocks(src_cache, src_own, pair.layers, src_blocks[offset : offset + count])
-        chunk = KvChunk(
-            "room", 1, pair.layers.start, pair.layers.stop, offset, count, len(src_blocks), "float32", tuple(data.shape)
-        )
-        await sender.send(chunk, data)
-    received = 0
-    while received < len(src_blocks):
-        chunk, data = await asyncio.wait_for(receiver.recv(), 10)
-        into = dst_blocks[chunk.block_offset : chunk.block_offset + chunk.num_blocks]
-        write_blocks(dst_cache, dst_own, range(chunk.layer_start, chunk.layer_stop), into, data)
-        received += chunk.num_blocks
-    for s, d in zip(src_blocks, dst_blocks, strict=True):
-        assert torch.equal(dst_cache[2:4, :, d], src_cache[0:2, :, s])
-    assert dst_cache[0:2].abs().sum() == 0  # layers the pair does not share are untouched
-    assert any("dropped a malformed KV chunk" in r.message for r in caplog.records)
-    with pytest.raises(ValueError, match="header says"):
-        await sender.send(chunk, torch.zeros(1))
-    with pytest.raises(ValueError, match="unknown KV transfer backend"):
-        open_sender("rdma", ctx, receiver.address)
-    junk.close(linger=0)
-    sender.close()
-    receiver.close()
-    if guard is not None:
-        guard.stop()
-    ctx.term()
+        per_block = src_cache[0:1, :, 0:1].numel() * len(pair.layers) * src_cache.element_size()
+        runs = list(block_chunks(len(src_blocks), per_block, max_bytes=2 * per_block))
+        assert len(runs) == 3
+        for offset, count in runs:
+            data = read_blocks(src_cache, src_own, pair.layers, src_blocks[offset : offset + count])
+            chunk = KvChunk(
+                "room",
+                1,
+                pair.layers.start,
+                pair.layers.stop,
+                offset,
+                count,
+                len(src_blocks),
+                "float32",
+                tuple(data.shape),
+            )
+            await sender.send(chunk, data)
+        received = 0
+        while received < len(src_blocks):
+            chunk, data = await asyncio.wait_for(receiver.recv(), 10)
+            into = dst_blocks[chunk.block_offset : chunk.block_offset + chunk.num_blocks]
+            write_blocks(dst_cache, dst_own, range(chunk.layer_start, chunk.layer_stop), into, data)
+            received += chunk.num_blocks
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            assert torch.equal(dst_cache[2:4, :, d], src_cache[0:2, :, s])
+        assert dst_cache[0:2].abs().sum() == 0  # layers the pair does not share are untouched
+        assert any("dropped a malformed KV chunk" in r.message for r in caplog.records)
+        with pytest.raises(ValueError, match="header says"):
+            await sender.send(chunk, torch.zeros(1))
+        with pytest.raises(ValueError, match="unknown KV transfer backend"):
+            open_sender("rdma", ctx, receiver.address)
+    finally:  # a failed check must not leave a socket open: the context's term() would wait for it
+        sender.close()
+        receiver.close()
+        if guard is not None:
+            guard.stop()
+        ctx.term()
