@@ -127,13 +127,20 @@ class PrefillRooms:
                 f"the decode side has {msg.num_layers} layers in blocks of {msg.block_size}, the prefill side "
                 f"{cfg.model_config.num_layers} in blocks of {cfg.block_size}"
             )
-        if problem is not None:
+        slices = []
+        if problem is None:
+            try:
+                decode = [range(t.layer_start, t.layer_stop) for t in msg.decode_stages]
+                slices = layer_slices(cfg.layer_ranges, decode)
+                if any(not 0 <= s.dst < len(msg.decode_stages) for s in slices):
+                    raise ValueError("its stages do not match their layers")
+            except ValueError as e:
+                problem = f"the decode side's layers do not fit: {e}"
+        if problem is not None:  # a malformed room is refused; it never reaches the stages
             self.links.send(msg.reply_to, RoomFailed(msg.room, f"the prefill side refused the room: {problem}"))
             return
         self.table.open(msg.room, time.monotonic())
         self.rooms[msg.room] = _PrefillRoom(msg)
-        decode = [range(t.layer_start, t.layer_stop) for t in msg.decode_stages]
-        slices = layer_slices(cfg.layer_ranges, decode)
         pool = self.engine.pool
         for stage in handshake_order(cfg.pp_size):
             targets = [

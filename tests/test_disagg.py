@@ -20,7 +20,7 @@ from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.addresses import free_ports
 from ppserve.transport.control import PullSocket, PushSocket, context
-from ppserve.transport.messages import KvTarget, RoomFirstToken, RoomOpen
+from ppserve.transport.messages import KvTarget, RoomFailed, RoomFirstToken, RoomOpen
 
 pytestmark = pytest.mark.slow
 
@@ -227,3 +227,22 @@ async def test_the_pair_under_a_cluster_key(llama_dir: Path) -> None:
             with pytest.raises(DisaggregationError, match="waited"):
                 await collect(outsider, [4, 5, 6, 7], GREEDY, rooms.address)
         assert not rooms.rooms and p.scheduler.allocator.num_free == 128
+
+
+async def test_a_malformed_room_is_refused_and_the_prefill_engine_serves_on(llama_dir: Path) -> None:
+    async with engine(llama_dir, "prefill", 1) as p:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        ctx = context()
+        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True)
+        link = PushSocket(ctx, rooms.address, bind=False)
+        try:
+            layers = p.config.model_config.num_layers
+            link.send_nowait(RoomOpen("bad", [1, 2, 3], GREEDY.wire(), [], 16, layers, inbox.address))
+            answer = await asyncio.wait_for(inbox.recv(), 10)
+            assert isinstance(answer, RoomFailed) and "the prefill side refused the room" in answer.error
+            assert p.healthy and not rooms.rooms
+        finally:
+            link.close()
+            inbox.close()
+            ctx.term()
