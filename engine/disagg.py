@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq.asyncio
 
 from ppserve.engine.kv_blocks import layer_slices
@@ -32,6 +33,7 @@ from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
+    ControlMsg,
     KvBootstrap,
     KvExpect,
     KvExport,
@@ -54,6 +56,15 @@ TICK_S = 0.1
 def _guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str) -> Guard | None:
     """With a secret (--cluster-key-file), the pair's sockets speak CURVE, as a cluster's do."""
     return Guard(ctx, CurveKeys.from_secret(key), who) if key is not None else None
+
+
+def _read(reader: asyncio.Future[ControlMsg]) -> ControlMsg | None:
+    """A message off the inbox; None (and a warning) for anything that is not ppserve's."""
+    try:
+        return reader.result()
+    except msgspec.DecodeError:
+        log.warning("prefill host: dropped a message that is not ppserve's")
+        return None
 
 
 class DisaggregationError(RuntimeError):
@@ -107,7 +118,7 @@ class PrefillRooms:
             while True:
                 await asyncio.wait([reader], timeout=TICK_S)
                 if reader.done():
-                    msg = reader.result()
+                    msg = _read(reader)
                     reader = asyncio.ensure_future(self.inbox.recv())
                     if isinstance(msg, RoomOpen):
                         self._open(msg)
@@ -253,7 +264,11 @@ class DecodeRooms:
 
     async def serve(self) -> None:
         while True:
-            msg = await self.inbox.recv()
+            try:
+                msg = await self.inbox.recv()
+            except msgspec.DecodeError:
+                log.warning("decode host: dropped a message that is not ppserve's")
+                continue
             room = self.rooms.get(getattr(msg, "room", ""))
             if room is None:
                 continue  # a room that ended here already

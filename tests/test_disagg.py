@@ -238,6 +238,7 @@ async def test_a_malformed_room_is_refused_and_the_prefill_engine_serves_on(llam
         link = PushSocket(ctx, rooms.address, bind=False)
         try:
             layers = p.config.model_config.num_layers
+            await link.send_frames([b"\xc1 not a ppserve message"])  # dropped with a warning
             link.send_nowait(RoomOpen("bad", [1, 2, 3], GREEDY.wire(), [], 16, layers, inbox.address))
             answer = await asyncio.wait_for(inbox.recv(), 10)
             assert isinstance(answer, RoomFailed) and "the prefill side refused the room" in answer.error
