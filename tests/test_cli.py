@@ -138,6 +138,7 @@ def test_stop_string(llama_dir: Path) -> None:
             "--stages-per-node '2' must name one count",
         ),
         (["--prompt", "x", "--nnodes", "2", *CLUSTER_AT, "--cluster-key-file", "/no/such/key"], "cannot read"),
+        (["--prompt", "x", "--disaggregation-mode", "prefill"], "unrecognized arguments"),  # serve only
     ],
 )
 def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message: str) -> None:
@@ -183,6 +184,18 @@ def test_serve_flags(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert not any("aiohttp.access" in line for line in server.output)  # warning level: no access log
     finally:
         assert server.stop() == 0
+
+
+def test_serve_bad_disaggregation_flags(llama_dir: Path) -> None:
+    base = ["serve", "--model", str(llama_dir), "--port", "0", "--disaggregation-mode"]
+    res = run_cli(*base, "decode", "--disaggregation-transfer-timeout", "0")
+    assert res.returncode == 2 and "transfer timeout must be a positive number of seconds" in res.stderr
+    res = run_cli(*base, "prefill", "--disaggregation-bootstrap-timeout", "nan")
+    assert res.returncode == 2 and "bootstrap timeout must be a positive number of seconds" in res.stderr
+    res = run_cli(*base, "prefill", "--disaggregation-bootstrap-port", "70000")
+    assert res.returncode == 2 and "bootstrap port must be in [0, 65535]" in res.stderr
+    res = run_cli(*base, "middle")
+    assert res.returncode == 2 and "invalid choice" in res.stderr
 
 
 def test_serve_bad_flags(llama_dir: Path) -> None:

@@ -15,6 +15,7 @@ from live_server import LiveServer
 
 from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.addresses import free_ports
 
 pytestmark = pytest.mark.slow
 KEY = "pd-test-key"
@@ -23,12 +24,18 @@ KEY = "pd-test-key"
 @pytest.fixture(scope="module")
 def deployment(llama_dir: Path) -> Iterator[tuple[LiveServer, LiveServer, LiveServer]]:
     common = ["--kv-cache-gb", "0.02", "--no-playground", "--served-model-name", "m"]
-    prefill = LiveServer(llama_dir, *common, "--pp-size", "2", "--disaggregation-mode", "prefill", api_key=KEY)
+    port = str(free_ports(1)[0])  # --disaggregation-bootstrap-port: the address printed and in /health
+    prefill = LiveServer(
+        llama_dir, *common, "--pp-size", "2", "--disaggregation-mode", "prefill",
+        "--disaggregation-bootstrap-port", port, "--disaggregation-transfer-timeout", "20",
+        "--disaggregation-bootstrap-timeout", "20", api_key=KEY,
+    )  # fmt: skip
     decode = LiveServer(llama_dir, *common, "--disaggregation-mode", "decode", api_key=KEY)
     router = LiveServer(None, "--prefill", prefill.url, "--decode", decode.url, api_key=None, command="router")
     router.api_key = KEY  # forwarded to the servers
     try:
         router.wait_until(lambda: router.request("GET", "/health")[0] == 200, what="both sides healthy")
+        assert json.loads(prefill.request("GET", "/health")[2])["disaggregation"]["bootstrap"].endswith(f":{port}")
         yield prefill, decode, router
     finally:
         for server in (router, decode, prefill):
@@ -39,7 +46,13 @@ def test_completions_through_the_router_match_one_colocated_engine(
     deployment: tuple[LiveServer, LiveServer, LiveServer], llama_dir: Path
 ) -> None:
     prefill, decode, router = deployment
-    assert any(re.search(r"prefill side of a disaggregated pair; bootstrap at tcp://", line) for line in prefill.output)
+    assert any(
+        re.search(r"prefill side of a disaggregated pair; bootstrap at tcp://127.0.0.1:\d+$", line)
+        for line in prefill.output
+    )
+    assert json.loads(prefill.request("GET", "/health")[2])["disaggregation"]["bootstrap"].startswith(
+        "tcp://127.0.0.1:"
+    )
     prompt = "The pipeline stage hands its cache"
     ids = Tokenizer(llama_dir).encode(prompt)
     expected = pipeline(llama_dir).generate([ids], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
