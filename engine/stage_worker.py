@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.gpu_clock import GpuClock, Span
 from ppserve.engine.kv_service import KvExporter, KvImporter
 from ppserve.engine.latency_profile import profile_points, run_profile
 from ppserve.engine.synthetic import SyntheticRunner
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
-Output = tuple[StepPlan, list[Timing], "_Span", "torch.Tensor | list[Sampled]"]
+Output = tuple[StepPlan, list[Timing], "Span", "torch.Tensor | list[Sampled]"]
 QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
 
 
@@ -84,41 +85,6 @@ class StageLaunch:
     parent_pid: int
     first_mb: int = 0  # micro-batches before this one were voided (a replacement joins mid-run)
     key: bytes | None = field(default=None, repr=False)  # the cluster secret, across nodes
-
-
-@dataclass(frozen=True)
-class _Span:
-    """When a micro-batch computed on this stage. On CUDA the call returns once the kernels are
-    queued, so the span comes from CUDA events around them instead, placed on the wall clock
-    through a reference event (`_GpuClock`). They are read in the send task (which waits for the
-    output anyway), never with a synchronize on the compute thread."""
-
-    start: float  # time.time() when the compute began
-    end: float  # ... and when the call returned
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    clock: _GpuClock | None = None
-
-    def timing(self, stage: int) -> Timing:
-        """Blocks until the kernels are done, on CUDA (call it off the event loop there)."""
-        if self.events is None or self.clock is None:
-            return Timing(stage, self.start, self.end)
-        begin, finish = self.events
-        finish.synchronize()
-        return Timing(stage, self.clock.wall(begin), self.clock.wall(finish))
-
-
-class _GpuClock:
-    """Wall-clock times of CUDA events: one reference event, recorded and waited for once at
-    start-up, when time.time() is read too; later events are that time plus their distance."""
-
-    def __init__(self) -> None:
-        self.ref = torch.cuda.Event(enable_timing=True)
-        self.ref.record()
-        self.ref.synchronize()
-        self.at = time.time()
-
-    def wall(self, event: torch.cuda.Event) -> float:
-        return self.at + self.ref.elapsed_time(event) / 1e3
 
 
 def _init_compute_thread(threads: int, gpu: int | None) -> None:
@@ -175,8 +141,8 @@ class StageWorker:
             initializer=_init_compute_thread,
             initargs=(launch.threads, self.gpu),
         )
-        self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see _Span)
-        self._gpu_clock: _GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
+        self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see Span)
+        self._gpu_clock: GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
         self.kv: KvExporter | KvImporter | None = None  # disaggregation: this stage's KV sender or receiver
         self._kv_tasks: set[asyncio.Task[None]] = set()
@@ -338,7 +304,7 @@ class StageWorker:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.compute_pool, _make_runner, self.config, self.stage)
         if self.gpu is not None and self.config.synthetic_latency is None:
-            self._gpu_clock = await loop.run_in_executor(self.compute_pool, _GpuClock)
+            self._gpu_clock = await loop.run_in_executor(self.compute_pool, GpuClock)
         profile: list[tuple[int, int, float]] = []
         if self.config.dynamic_chunking:
             profile = await loop.run_in_executor(self.compute_pool, self._profile)
@@ -391,7 +357,7 @@ class StageWorker:
             plan, header, hidden = item
             start = time.time()
             out, events = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
-            span = _Span(start, time.time(), events, self._gpu_clock)
+            span = Span(start, time.time(), events, self._gpu_clock)
             await outputs.put((plan, header.timings if header else [], span, out))
         await outputs.put(None)
 
@@ -399,7 +365,7 @@ class StageWorker:
         self, plan: StepPlan, hidden: torch.Tensor | None
     ) -> tuple[torch.Tensor | list[Sampled], tuple[torch.cuda.Event, torch.cuda.Event] | None]:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
-        events around the layers' kernels (see _Span)."""
+        events around the layers' kernels (see Span)."""
         events = None
         if self._gpu_clock is not None:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -11,15 +11,22 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model_config import ConfigError
+from ppserve.server.cli_cluster import (
+    add_cluster_flags,
+    add_disaggregation_flags,
+    cluster_config,
+    disaggregation_options,
+    run_loop,
+    serve_node,
+)
 from ppserve.server.listen import bind_http
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
-    from ppserve.engine.cluster import ClusterConfig
     from ppserve.engine.config import EngineConfig
     from ppserve.scheduler.sampling_params import SamplingParams
     from ppserve.server.app import ServerOptions
@@ -94,34 +101,7 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         default=3,
         help="failed stages replaced per 10 minutes before the engine gives up (default 3; 0: never replace)",
     )
-    cluster = p.add_argument_group("multi-node (the same command on every node, each with its own --node-rank)")
-    cluster.add_argument("--nnodes", type=int, default=1, help="nodes the stages are spread over (default 1)")
-    cluster.add_argument(
-        "--node-rank", type=int, default=0, help="this node: 0 runs the host (HTTP, scheduler) and its stages"
-    )
-    cluster.add_argument(
-        "--dist-init-addr", default=None, metavar="HOST:PORT", help="node 0's address for the nodes to meet at"
-    )
-    cluster.add_argument(
-        "--stages-per-node", default=None, metavar="COUNTS", help="e.g. 1,2,1 (default: even, the rest on later nodes)"
-    )
-    cluster.add_argument(
-        "--node-addr",
-        default=None,
-        help="this node's address: its sockets bind it, the others connect to it (default: the local address "
-        "of the route to --dist-init-addr)",
-    )
-    cluster.add_argument(
-        "--cluster-key-file",
-        default=None,
-        metavar="PATH",
-        help="the cluster's shared secret, the same file on every node (or env PPSERVE_CLUSTER_KEY)",
-    )
-    cluster.add_argument(
-        "--insecure-cluster",
-        action="store_true",
-        help="run a multi-node cluster without a key: anyone who can reach the nodes can drive them",
-    )
+    add_cluster_flags(p)
     p.add_argument(
         "--synthetic-latency",
         type=_parse_latency,
@@ -251,34 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    pd = serve.add_argument_group("prefill/decode disaggregation (a router in front: `ppserve router`)")
-    pd.add_argument(
-        "--disaggregation-mode",
-        choices=["prefill", "decode"],
-        default=None,
-        help="serve one side of a disaggregated pair (default: both, colocated)",
-    )
-    pd.add_argument(
-        "--disaggregation-bootstrap-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="prefill side: where decode servers reach it (default: any free port; /health says which)",
-    )
-    pd.add_argument(
-        "--disaggregation-bootstrap-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a room's handshake, per state (default 30)",
-    )
-    pd.add_argument(
-        "--disaggregation-transfer-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a room's KV transfer (default 30)",
-    )
+    add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
     router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' HTTP URLs")
     router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' HTTP URLs")
@@ -306,30 +259,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
-def _cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
-    if args.nnodes == 1 and args.node_rank == 0:
-        return None
-    from ppserve.engine.cluster import ClusterConfig
-    from ppserve.transport.cluster_key import load_key
-
-    key = load_key(args.cluster_key_file)
-    if key is not None and args.insecure_cluster:
-        raise ValueError("--insecure-cluster and a cluster key exclude each other")
-    # Who joins, who is refused and why: said on the terminal of every node.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ppserve.cluster").setLevel(logging.INFO)
-    return ClusterConfig.create(
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        pp_size=args.pp_size,
-        dist_init_addr=args.dist_init_addr,
-        stages_per_node=args.stages_per_node,
-        node_addr=args.node_addr,
-        key=key,
-        insecure=args.insecure_cluster,
-    )
-
-
 def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: int = 4096) -> EngineConfig:
     from ppserve.engine.config import EngineConfig
 
@@ -352,43 +281,9 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         synthetic_latency=args.synthetic_latency,
         stage_timeout_s=args.stage_timeout,
         max_stage_restarts=args.max_stage_restarts,
-        cluster=_cluster_config(args),
-        **_disaggregation(args),
+        cluster=cluster_config(args),
+        **disaggregation_options(args),
     )
-
-
-def _disaggregation(args: argparse.Namespace) -> dict[str, Any]:
-    from ppserve.transport.cluster_key import load_key
-
-    mode = getattr(args, "disaggregation_mode", None)
-    if not mode:
-        return {}
-    return {
-        "disaggregation": mode,
-        "disagg_host": args.node_addr or args.host,
-        "disagg_port": args.disaggregation_bootstrap_port,
-        "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
-        "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
-        "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets then speak CURVE
-    }
-
-
-def _serve_node(config: EngineConfig) -> NoReturn:
-    """Node R > 0 of a cluster: run this node's stages until node 0 stops the cluster."""
-    from ppserve.engine.node_agent import run_node
-
-    print(
-        f"ppserve: node {config.cluster.node_rank if config.cluster else 0} of a cluster; the host is node 0",
-        flush=True,
-    )
-    code = 0
-
-    async def node() -> None:
-        nonlocal code
-        code = await run_node(config)
-
-    _run(node())
-    sys.exit(code)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -396,7 +291,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     config = _engine_config(args, args.model)
     if config.cluster is not None and not config.cluster.is_host:
-        _serve_node(config)
+        serve_node(config)
     max_tokens = args.max_tokens
     if max_tokens is None:
         max_tokens = config.model_config.max_new_tokens or GENERATE_MAX_TOKENS
@@ -426,7 +321,7 @@ def _generate(args: argparse.Namespace) -> None:
     if any(p == "" for p in prompts):
         raise ValueError("the prompt is empty")
     _sigterm_as_sigint()
-    _run(_generate_all(config, prompts, params, args.chat, args.json))
+    run_loop(_generate_all(config, prompts, params, args.chat, args.json))
 
 
 async def _generate_all(
@@ -470,7 +365,7 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
 def _serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.node_rank > 0:  # no HTTP here (its flags, API key file included, are node 0's)
-        _serve_node(_engine_config(args, args.model or _demo_model()))
+        serve_node(_engine_config(args, args.model or _demo_model()))
     # Before loading anything: a bad key file or a port in use fails in a moment, not after the
     # stages start.
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
@@ -504,7 +399,7 @@ def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socke
         allowed_origins=args.allowed_origins,
         playground=args.playground,
     )
-    _run(_serve_until_stopped(config, options, sockets))
+    run_loop(_serve_until_stopped(config, options, sockets))
 
 
 async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, sockets: list[socket.socket]) -> None:
@@ -562,44 +457,14 @@ def _route(args: argparse.Namespace) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"expected a server's URL such as http://10.0.0.2:8000, got {url!r}")
     sockets = bind_http(args.host, args.port)
-    _run(_route_until_stopped(args.prefill, args.decode, sockets))
+    from ppserve.server.router import serve_router
 
-
-async def _route_until_stopped(prefill: list[str], decode: list[str], sockets: list[socket.socket]) -> None:
-    from aiohttp import web
-
-    from ppserve.server.router import create_router
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_router(prefill, decode), handler_cancellation=True)
-    await runner.setup()
-    try:
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
-        for h, p, *_ in runner.addresses:
-            url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
-            print(f"ppserve: routing to {len(prefill)} prefill and {len(decode)} decode server(s) at {url}", flush=True)
-        await stop.wait()
-        print("ppserve: shutting down", flush=True)
-    finally:
-        await runner.cleanup()
+    run_loop(serve_router(args.prefill, args.decode, sockets))
 
 
 def _sigterm_as_sigint() -> None:
     """Treat SIGTERM like Ctrl-C, so that `ppserve generate` cleans up its stages either way."""
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-
-
-def _run(coro: Coroutine[object, object, None]) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
 
 
 if __name__ == "__main__":

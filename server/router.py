@@ -19,6 +19,8 @@ import contextlib
 import json
 import logging
 import re
+import signal
+import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -237,3 +239,24 @@ def create_router(prefill: list[str], decode: list[str]) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/ws", websocket)
     return app
+
+
+async def serve_router(prefill: list[str], decode: list[str], sockets: list[socket.socket]) -> None:
+    from aiohttp import web
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_router(prefill, decode), handler_cancellation=True)
+    await runner.setup()
+    try:
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        for h, p, *_ in runner.addresses:
+            url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
+            print(f"ppserve: routing to {len(prefill)} prefill and {len(decode)} decode server(s) at {url}", flush=True)
+        await stop.wait()
+        print("ppserve: shutting down", flush=True)
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,144 @@
+"""The `ppserve` flags and start-up of stages across machines: a cluster's nodes, and one side
+of a disaggregated prefill/decode pair (kept apart from cli.py, which is about the commands)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from ppserve.engine.cluster import ClusterConfig
+    from ppserve.engine.config import EngineConfig
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    cluster = p.add_argument_group("multi-node (the same command on every node, each with its own --node-rank)")
+    cluster.add_argument("--nnodes", type=int, default=1, help="nodes the stages are spread over (default 1)")
+    cluster.add_argument(
+        "--node-rank", type=int, default=0, help="this node: 0 runs the host (HTTP, scheduler) and its stages"
+    )
+    cluster.add_argument(
+        "--dist-init-addr", default=None, metavar="HOST:PORT", help="node 0's address for the nodes to meet at"
+    )
+    cluster.add_argument(
+        "--stages-per-node", default=None, metavar="COUNTS", help="e.g. 1,2,1 (default: even, the rest on later nodes)"
+    )
+    cluster.add_argument(
+        "--node-addr",
+        default=None,
+        help="this node's address: its sockets bind it, the others connect to it (default: the local address "
+        "of the route to --dist-init-addr)",
+    )
+    cluster.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="the cluster's shared secret, the same file on every node (or env PPSERVE_CLUSTER_KEY)",
+    )
+    cluster.add_argument(
+        "--insecure-cluster",
+        action="store_true",
+        help="run a multi-node cluster without a key: anyone who can reach the nodes can drive them",
+    )
+
+
+def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
+    pd = serve.add_argument_group("prefill/decode disaggregation (a router in front: `ppserve router`)")
+    pd.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        default=None,
+        help="serve one side of a disaggregated pair (default: both, colocated)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="prefill side: where decode servers reach it (default: any free port; /health says which)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a room's handshake, per state (default 30)",
+    )
+    pd.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a room's KV transfer (default 30)",
+    )
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
+    if args.nnodes == 1 and args.node_rank == 0:
+        return None
+    from ppserve.engine.cluster import ClusterConfig
+    from ppserve.transport.cluster_key import load_key
+
+    key = load_key(args.cluster_key_file)
+    if key is not None and args.insecure_cluster:
+        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    # Who joins, who is refused and why: said on the terminal of every node.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ppserve.cluster").setLevel(logging.INFO)
+    return ClusterConfig.create(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        pp_size=args.pp_size,
+        dist_init_addr=args.dist_init_addr,
+        stages_per_node=args.stages_per_node,
+        node_addr=args.node_addr,
+        key=key,
+        insecure=args.insecure_cluster,
+    )
+
+
+def disaggregation_options(args: argparse.Namespace) -> dict[str, Any]:
+    from ppserve.transport.cluster_key import load_key
+
+    mode = getattr(args, "disaggregation_mode", None)
+    if not mode:
+        return {}
+    return {
+        "disaggregation": mode,
+        "disagg_host": args.node_addr or args.host,
+        "disagg_port": args.disaggregation_bootstrap_port,
+        "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
+        "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
+        "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets then speak CURVE
+    }
+
+
+def serve_node(config: EngineConfig) -> NoReturn:
+    """Node R > 0 of a cluster: run this node's stages until node 0 stops the cluster."""
+    from ppserve.engine.node_agent import run_node
+
+    print(
+        f"ppserve: node {config.cluster.node_rank if config.cluster else 0} of a cluster; the host is node 0",
+        flush=True,
+    )
+    code = 0
+
+    async def node() -> None:
+        nonlocal code
+        code = await run_node(config)
+
+    run_loop(node())
+    sys.exit(code)
+
+
+def run_loop(coro: Coroutine[object, object, None]) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
