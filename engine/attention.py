@@ -6,10 +6,10 @@ contributes `num_new` tokens starting at position `start`, so its queries see ke
 the case num_new == 1; a prefill chunk after an existing prefix is the general case; nothing here
 knows the difference except for batching.
 
-`paged_attention` is the one function a faster kernel would replace. This version is the
-straightforward one: gather each request's keys/values from its blocks and call torch SDPA.
-All decode requests are batched into one SDPA call (padded to the longest context, masked);
-each prefill chunk gets its own call.
+Prefill chunks gather their request's keys/values from its blocks and call torch SDPA, one call
+per chunk. Decode tokens (one query each) go to the CPU kernel of engine/decode_attention.py,
+which reads the cache in place; elsewhere (CUDA, or no compiler) they are batched into one SDPA
+call over gathered keys, padded to the longest context and masked.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from ppserve.engine import decode_attention as kernel
 
 
 class SeqSpan(Protocol):
@@ -50,6 +52,7 @@ class DecodeGroup:
     # batch, or decodes planned first), which saves a gather and a scatter per layer.
     rows: slice | torch.Tensor
     block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [num_decodes] long: keys each query sees (its position + 1)
     masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_blocks * block_size] bool
 
 
@@ -137,6 +140,7 @@ class AttentionMetadata:
             decode = DecodeGroup(
                 rows=_rows(decode_rows, device),
                 block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+                context_lens=q_pos + 1,
                 masks={w: _mask(q_pos, width * block_size, w)[:, None, None, :] for w in windows},
             )
         return cls(
@@ -202,7 +206,13 @@ def paged_attention(
             enable_gqa=True,
         )
         out[group.rows] = o.squeeze(0).transpose(0, 1)
-    if md.decode is not None:
+    if md.decode is not None and kernel.available(q.device, q.dtype):
+        d = md.decode
+        with torch.profiler.record_function("ppserve::decode_attention"):  # named in profiles
+            out[d.rows] = kernel.decode_attention(
+                q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale, window
+            )
+    elif md.decode is not None:
         d = md.decode
         batch = d.block_tables.shape[0]
         # keys: [batch, kv_heads, max_blocks * block_size, head_dim]; padding is masked out below.

@@ -4,6 +4,10 @@ Module names mirror the Hugging Face checkpoint names (`model.layers.7.self_attn
 with layers keyed by their global index, so a stage's `state_dict()` keys are exactly the tensors
 it must load. The math follows transformers' modeling files op for op (norms in float32, RoPE
 tables in float32), which is what makes logits match them closely.
+
+Once loaded, `StageModel.fuse()` replaces the checkpoint-named projections with fused, packed
+`Linear`s (engine/linear.py): q/k/v as one GEMM, gate/up as one, and every weight packed for
+oneDNN on the CPU. The forward pass runs on those.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+from ppserve.engine.linear import Linear, fuse_linears
 from ppserve.engine.model_config import ModelConfig, RopeConfig
 
 
@@ -75,6 +80,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_sizes = [q_out, kv_out, kv_out]
+        self.qkv: Linear  # set by fuse()
+        self.out: Linear
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.out = fuse_linears([self.o_proj])
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(
         self,
@@ -86,15 +99,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [num_tokens, hidden]; kv: [2, num_blocks, block_size, kv_heads, head_dim]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv[0], kv[1], k, v, md)
         out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.out(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -103,9 +117,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up: Linear  # set by fuse()
+        self.down: Linear
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        self.down = fuse_linears([self.down_proj])
+        del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -146,6 +168,17 @@ class StageModel(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.windows = {cfg.sliding_windows[i] for i in layers}
+        self.head: Linear | None = None  # lm_head, set by fuse()
+
+    def fuse(self) -> None:
+        """After loading: fused, packed projections for the forward pass (see engine/linear.py)."""
+        for layer in self.model.layers.values():
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if self.lm_head is not None:
+            self.head = fuse_linears([self.lm_head])
+            self.lm_head = None
 
     def forward(
         self,
@@ -169,5 +202,5 @@ class StageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] rows to sample from -> float32 logits [n, vocab]."""
-        assert self.lm_head is not None and self.model.norm is not None, "logits only on the last stage"
-        return self.lm_head(self.model.norm(hidden)).float()
+        assert self.head is not None and self.model.norm is not None, "logits only on the last stage"
+        return self.head(self.model.norm(hidden)).float()

@@ -32,6 +32,7 @@ class StageRunner:
             model = StageModel(mc, self.layers, self.first, self.last)
         load_stage_weights(model, config.model, config.torch_dtype, self.device)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
+        model.fuse()
         self.model = model.eval()
         self.gather_buffers = GatherBuffers()
         try:

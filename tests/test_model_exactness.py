@@ -36,7 +36,20 @@ def test_matches_transformers(checkpoints: dict[str, Path], arch: str, device: s
     assert (got - expected).abs().max().item() <= tol * scale
 
     ours = pipe.generate([prompt], GREEDY)[0].token_ids
-    assert ours == hf_greedy(hf, prompt, GREEDY_TOKENS)
+    reference = hf_greedy(hf, prompt, GREEDY_TOKENS)
+    if dtype == "float32":
+        assert ours == reference
+        return
+    # In 16-bit types the top two logits of a random model are often one unit in the last place
+    # apart, and any other order of summation may break such a tie either way. The tokens must
+    # agree up to the first tie within the tolerance, and there transformers' own logits must
+    # rank the two tokens within the tolerance.
+    i = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), None)
+    if i is not None:
+        with torch.no_grad():
+            step = hf(torch.tensor([prompt + reference[:i]], device=device)).logits[0, -1].float()
+        gap = (step[reference[i]] - step[ours[i]]).item()
+        assert gap <= tol * scale, f"token {i}: {ours[i]} instead of {reference[i]}, {gap:.4f} below it"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

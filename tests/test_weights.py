@@ -11,7 +11,9 @@ from helpers import pipeline, prompt_logits, random_prompt
 
 import ppserve.engine.weights as weights
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model import StageModel
 from ppserve.engine.stage_runner import StageRunner
+from ppserve.engine.weights import load_stage_weights
 
 
 def test_sharded_equals_single_file(llama_dir: Path, sharded_dir: Path) -> None:
@@ -56,14 +58,17 @@ def test_stage_loads_only_its_tensors(sharded_dir: Path, monkeypatch: pytest.Mon
     assert layers == {"2", "3"}
     # Tied embeddings: the last stage reads the embedding for its lm_head, and nothing else embeds there.
     assert "model.embed_tokens.weight" in read and "model.norm.weight" in read
-    assert last.model.model.embed_tokens is None and last.model.lm_head is not None
+    assert last.model.model.embed_tokens is None and last.model.head is not None
     assert last.kv_cache.shape[0] == 2  # KV cache for its own two layers only
 
 
 def test_tied_single_stage_shares_the_tensor(llama_dir: Path) -> None:
-    runner = StageRunner(EngineConfig.create(llama_dir, num_kv_blocks=4), 0)
-    assert runner.model.lm_head is not None and runner.model.model.embed_tokens is not None
-    assert runner.model.lm_head.weight.data_ptr() == runner.model.model.embed_tokens.weight.data_ptr()
+    config = EngineConfig.create(llama_dir, num_kv_blocks=4)
+    with torch.device("meta"):
+        stage = StageModel(config.model_config, range(config.model_config.num_layers), True, True)
+    load_stage_weights(stage, llama_dir, torch.float32, torch.device("cpu"))
+    assert stage.lm_head is not None and stage.model.embed_tokens is not None
+    assert stage.lm_head.weight.data_ptr() == stage.model.embed_tokens.weight.data_ptr()
 
 
 def test_progress_bar_for_shards(sharded_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,129 @@
+"""Where a decode step's time goes, in one process: the model of one stage, op by op.
+
+Prefills `--batch` requests of `--context` tokens, then profiles `--steps` decode steps of the
+whole batch (all layers, logits and sampling) with torch.profiler, and groups the ops' self
+time: GEMMs, attention, KV gather, KV write, norms/RoPE/activations, sampling, and the rest.
+What no op accounts for is Python: the per-layer module calls and the attention metadata.
+
+    python scripts/profile_step.py --model-dir DIR [--batch 64] [--context 200] [--dtype float32]
+
+Writes benchmarks/results/profile_step[_TAG].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ppserve.engine import linear  # noqa: E402
+from ppserve.engine.config import EngineConfig  # noqa: E402
+from ppserve.engine.local_pipeline import LocalPipeline  # noqa: E402
+from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+
+# Op name -> group. First match wins; anything unmatched is "other ops".
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn", "mkl_linear", "aten::matmul", "onednn")),
+    (
+        "attention",
+        (
+            "ppserve::decode_attention",
+            "scaled_dot_product",
+            "flash_attention",
+            "aten::bmm",
+            "aten::baddbmm",
+            "_softmax",
+        ),
+    ),
+    ("kv gather", ("aten::index_select",)),
+    ("kv write", ("aten::index_copy",)),
+    (
+        "norm, rope, activation",
+        ("aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean", "aten::silu", "aten::flip", "aten::neg"),
+    ),
+    ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::log_softmax", "aten::multinomial")),
+    ("embedding", ("aten::embedding",)),
+]
+
+
+def group_of(name: str) -> str:
+    for group, keys in GROUPS:
+        if any(k in name for k in keys):
+            return group
+    return "other ops"
+
+
+def decode_batch(pipe: LocalPipeline, batch: int, context: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    vocab = pipe.config.model_config.vocab_size
+    prompts = [torch.randint(10, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    requests = pipe.add_requests(prompts, params)
+    while any(not r.output_token_ids for r in requests):
+        pipe.step(requests, chunk_size=512)
+    return requests
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=200)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plain-linear", action="store_true", help="F.linear instead of oneDNN-packed weights")
+    p.add_argument("--tag", default="")
+    a = p.parse_args()
+    if a.plain_linear:
+        linear.PACKED_DTYPES = ()
+    torch.set_num_threads(a.threads)
+    cfg = EngineConfig.create(a.model_dir, pp_size=1, dtype=a.dtype, kv_cache_gb=2.0)
+    pipe = LocalPipeline(cfg)
+    requests = decode_batch(pipe, a.batch, a.context)
+    for _ in range(3):  # warm-up
+        pipe.step(requests, 1)
+    times = []
+    for _ in range(a.steps):
+        start = time.perf_counter()
+        pipe.step(requests, 1)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.steps):
+            pipe.step(requests, 1)
+    groups: dict[str, float] = defaultdict(float)
+    ops: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        groups[group_of(ev.key)] += ev.self_cpu_time_total / 1e6 / a.steps
+        ops[ev.key] += ev.self_cpu_time_total / 1e6 / a.steps
+    profiled = sum(groups.values())
+    # What no op accounts for in the unprofiled step is Python: module calls and metadata.
+    result = {
+        "model_dir": a.model_dir,
+        "dtype": a.dtype,
+        "batch": a.batch,
+        "context": a.context,
+        "threads": a.threads,
+        "step_ms": step_s * 1e3,
+        "ms_per_group": {g: v * 1e3 for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "python_and_dispatch_ms": max(0.0, step_s - profiled) * 1e3,
+        "top_ops_ms": {k: v * 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:15]},
+    }
+    print(json.dumps(result, indent=2))
+    out = ROOT / "benchmarks/results" / (f"profile_step_{a.tag}.json" if a.tag else "profile_step.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
