@@ -43,7 +43,10 @@ class EngineConfig:
     # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
     # + c seconds for the whole model (see engine/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
-    async_depth: int = 1  # plans in flight beyond one per stage
+    # Plans in flight beyond one per stage. 0: a spare plan would hide the host's turnaround, but
+    # decodes would then split into pp_size + 1 smaller micro-batches; on CPUs the smaller GEMMs
+    # cost more than the turnaround (scripts/bench_peers.py: +6% tokens/s at PP=1 and PP=2).
+    async_depth: int = 0
     threads_per_stage: int = 1
     stage_start_timeout_s: float = 120.0
     stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
@@ -79,7 +82,7 @@ class EngineConfig:
         dynamic_chunking: bool = False,
         chunk_smooth: float | None = None,
         synthetic_latency: tuple[float, float, float] | None = None,
-        async_depth: int = 1,
+        async_depth: int = 0,
         threads_per_stage: int | None = None,
         stage_start_timeout_s: float = 120.0,
         stage_timeout_s: float = 10.0,

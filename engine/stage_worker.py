@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.cpu_affinity import pin_stage
 from ppserve.engine.gpu_clock import GpuClock, Span
 from ppserve.engine.kv_service import KvExporter, KvImporter
 from ppserve.engine.latency_profile import profile_points, run_profile
@@ -100,6 +101,7 @@ def stage_main(launch: StageLaunch) -> None:
     # exits by itself if the host is gone), so a stage prints no KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
+    pin_stage(launch.config, launch.stage, launch.threads)  # before torch starts its OpenMP team
     torch.set_num_threads(launch.threads)
     if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
         torch.cuda.set_device(launch.config.stage_gpus[launch.stage])

@@ -59,3 +59,30 @@ def test_gpu_ids_need_cuda(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="--gpu-ids needs --device cuda"):
         EngineConfig.create(llama_dir, pp_size=2, gpu_ids=(0, 1))
     assert EngineConfig.create(llama_dir, pp_size=2).stage_gpus == ()
+
+
+@pytest.mark.parametrize(
+    ("pp_size", "threads", "cores", "expected"),
+    [
+        (2, 1, [0, 1], [{0}, {1}]),  # one core per stage
+        (2, 2, [0, 1, 2, 3], [{0, 1}, {2, 3}]),
+        (2, 1, [4, 6], [{4}, {6}]),  # the cores this process may use, not 0..n
+        (4, 1, [0, 1], [None] * 4),  # more stages than cores: the OS shares them
+        (1, 2, [0, 1], [None]),  # one stage: every core anyway
+    ],
+)
+def test_stage_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    llama_dir: Path,
+    pp_size: int,
+    threads: int,
+    cores: list[int],
+    expected: list[set[int] | None],
+) -> None:
+    from ppserve.engine import cpu_affinity
+
+    monkeypatch.setattr(cpu_affinity.os, "sched_getaffinity", lambda pid: set(cores))
+    config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)
+    assert [cpu_affinity.stage_cores(config, s, threads) for s in range(pp_size)] == expected
+    monkeypatch.setenv("PPSERVE_PIN_STAGES", "0")
+    assert cpu_affinity.stage_cores(config, 0, threads) is None

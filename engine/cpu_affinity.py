@@ -1,0 +1,39 @@
+"""One core set per stage: each stage process, and so its OpenMP team, stays on its own cores.
+
+Unpinned, the kernel moves a stage's compute threads between cores and lets two stages' teams
+share a core for a while; an OpenMP team is only as fast as its slowest thread, so each such
+moment stalls the whole team. When a node's stages fit its cores (stages x threads <= cores),
+stage k of the node gets cores [k * threads, (k + 1) * threads) of the CPUs this process may use.
+When they do not fit, nothing is pinned and the OS shares the cores. The host process is never
+pinned: it floats to whichever core is free. PPSERVE_PIN_STAGES=0 turns pinning off.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ppserve.engine.config import EngineConfig
+
+
+def stage_cores(config: EngineConfig, stage: int, threads: int) -> set[int] | None:
+    """The cores stage `stage` of this node should run on, or None to leave it unpinned."""
+    if os.environ.get("PPSERVE_PIN_STAGES", "1") == "0" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cluster = config.cluster
+    if cluster is None:
+        local = list(range(config.pp_size))
+    else:
+        local = [s for s, node in enumerate(cluster.stage_nodes) if node == cluster.stage_nodes[stage]]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(local) * threads > len(cores) or len(local) == 1:
+        return None  # oversubscribed, or a single stage that may use every core anyway
+    k = local.index(stage)
+    return set(cores[k * threads : (k + 1) * threads])
+
+
+def pin_stage(config: EngineConfig, stage: int, threads: int) -> set[int] | None:
+    """Pin this process (a stage) to its cores; returns them, or None when left unpinned."""
+    cores = stage_cores(config, stage, threads)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    return cores
