@@ -5,10 +5,10 @@ kernel is tuned for many queries; for one query per request the gather and the k
 several times what reading the cache once does (scripts/profile_step.py). The kernel reads the
 cache in place.
 
-It is compiled with the system's g++ at the first stage start on a machine (a few seconds) into
-`$PPSERVE_CACHE_DIR` (default ~/.cache/ppserve), keyed by the source, the compiler and the CPU's
-flags, and loaded from there afterwards. Where there is no compiler, or the build fails, decode
-attention falls back to SDPA, with one warning.
+It is compiled with the system's g++ at the first stage start on a machine (about a second) into
+`kernels/` of the cache directory (engine/cache_dir.py: ~/.cache/ppserve by default), keyed by
+the source, the compiler and the CPU's flags, and loaded from there afterwards. Where there is
+no compiler, or the build fails, decode attention falls back to SDPA, with one warning.
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ from pathlib import Path
 
 import torch
 
+from ppserve.engine.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 KERNEL_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _INT64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p] * 6 + [_INT64] * 6 + [ctypes.c_float, _INT64]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PPSERVE_CACHE_DIR") or Path.home() / ".cache" / "ppserve")
 
 
 def _cpu_flags() -> str:
@@ -63,7 +61,7 @@ def load() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256((SOURCE.read_text() + version + _cpu_flags()).encode()).hexdigest()[:16]
-        lib = cache_dir() / f"decode_attention-{key}.so"
+        lib = cache_dir() / "kernels" / f"decode_attention-{key}.so"
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             # Built under a temporary name and renamed: stages starting at once each build, and

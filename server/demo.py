@@ -6,11 +6,11 @@ without downloading anything.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ppserve.engine.cache_dir import cache_dir
 from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 DEMO_SPEC = TinySpec(
@@ -28,12 +28,6 @@ DEMO_SPEC = TinySpec(
     max_new_tokens=128,
 )
 DEMO_NAME = "demo-llama-v2"  # bump when DEMO_SPEC or the checkpoint writer changes
-
-
-def cache_dir() -> Path:
-    if "PPSERVE_CACHE_DIR" in os.environ:
-        return Path(os.environ["PPSERVE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ppserve"
 
 
 def demo_checkpoint() -> Path:

@@ -124,4 +124,6 @@ def test_demo_model_is_built_once_and_served(tmp_path: Path, monkeypatch: pytest
         assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
     finally:
         assert server.stop() == 0
-    assert [p.name for p in tmp_path.iterdir()] == [DEMO_NAME]  # no temporary leftovers
+    # No temporary leftovers: the demo model, and the decode-attention kernel the stages built.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([DEMO_NAME, "kernels"])
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]

