@@ -1,8 +1,8 @@
 // Decode attention straight from the paged KV cache: one query token per request, keys and values
 // read where they lie in their blocks, never gathered into a new tensor.
 //
-// Built at first use by engine/decode_kernel.py (g++ -O3 -march=native -fopenmp) and called
-// through ctypes. OpenMP here is torch's own runtime (the same libgomp.so.1, already loaded), so
+// Built at first use by engine/decode_attention.py (g++ -O3 -march=native -fopenmp, with float
+// reassociation allowed but NaN and infinity kept) and called through ctypes. OpenMP here is torch's own runtime (the same libgomp.so.1, already loaded), so
 // the work is split over the calling thread's torch.set_num_threads team.
 //
 // Shapes (row-major, contiguous):
@@ -16,6 +16,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+// glibc's vector math library has SIMD versions of expf; declaring them lets `omp simd` loops
+// call them (GCC declares them itself only under -ffast-math, which would also drop NaN/Inf).
+extern "C" float expf(float) __attribute__((__simd__("notinbranch")));
 
 namespace {
 
@@ -83,8 +87,9 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
       float m = s[0];
       for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        s[t] = std::exp(s[t] - m);
+        s[t] = expf(s[t] - m);
         sum += s[t];
       }
       denom[hq] = sum;

@@ -33,6 +33,11 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 KERNEL_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _INT64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p] * 6 + [_INT64] * 6 + [ctypes.c_float, _INT64]
+# Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
+# by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
+# vector expf.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 
 def _cpu_flags() -> str:
@@ -58,9 +63,10 @@ def load() -> ctypes.CDLL | None:
     if cxx is None:
         log.warning("no C++ compiler found: decode attention uses SDPA (slower on the CPU)")
         return None
+    cmd = [cxx, *FLAGS]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256((SOURCE.read_text() + version + _cpu_flags()).encode()).hexdigest()[:16]
+        key = hashlib.sha256(" ".join([SOURCE.read_text(), version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
         lib = cache_dir() / "kernels" / f"decode_attention-{key}.so"
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -68,8 +74,9 @@ def load() -> ctypes.CDLL | None:
             # the rename makes whichever finishes first the one the others load.
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
-                cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", str(SOURCE)]
-                subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=True)
+                subprocess.run(
+                    [*cmd, str(SOURCE), "-o", str(out), "-lmvec"], capture_output=True, text=True, check=True
+                )
                 os.replace(out, lib)
         dll = ctypes.CDLL(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
