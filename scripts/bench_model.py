@@ -91,8 +91,8 @@ def decode_time_split(pipe: LocalPipeline, prompts: torch.Tensor) -> dict[str, f
     from torch.profiler import ProfilerActivity, profile
 
     families = {
-        "matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
-        "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+        "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
+        "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "ppserve::decode_attention"),
         "kv_cache_gather_and_write": ("aten::index_select", "aten::index_copy_"),
     }
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=9)
