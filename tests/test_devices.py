@@ -83,6 +83,7 @@ def test_stage_cores(
 
     monkeypatch.setattr(cpu_affinity.os, "sched_getaffinity", lambda pid: set(cores))
     config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)
+    monkeypatch.delenv("PPSERVE_PIN_STAGES", raising=False)
+    assert cpu_affinity.stage_cores(config, 0, threads) is None  # opt-in
+    monkeypatch.setenv("PPSERVE_PIN_STAGES", "1")
     assert [cpu_affinity.stage_cores(config, s, threads) for s in range(pp_size)] == expected
-    monkeypatch.setenv("PPSERVE_PIN_STAGES", "0")
-    assert cpu_affinity.stage_cores(config, 0, threads) is None
