@@ -67,6 +67,11 @@ class EngineStats:
     preemptions: int  # requests preempted (KV given up, recomputed later) since start
     stage_restarts: tuple[int, ...]  # per stage: times its process was replaced
     recovering: bool  # a failed stage is being replaced; requests wait
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (since start)
+    prefix_cache_hits: int  # ... found there, not computed
+    prefix_cache_blocks: int  # KV blocks holding a findable prefix now (in use or kept for reuse)
+    prefix_cache_evictions: int  # cached blocks given to new contents (since start)
+    stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
 
 
 @dataclass
@@ -95,6 +100,7 @@ class AsyncEngine:
                 chunked_prefill_size=config.chunked_prefill_size,
                 dynamic_chunking=config.dynamic_chunking,
                 chunk_smooth=config.chunk_smooth,
+                enable_prefix_caching=config.enable_prefix_caching,
             )
         )
         self._streams: dict[str, _Stream] = {}
@@ -318,6 +324,11 @@ class AsyncEngine:
             preemptions=s.num_preemptions,
             stage_restarts=tuple(self.stage_restarts),
             recovering=self.recovering,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
+            prefix_cache_blocks=s.allocator.num_cached,
+            prefix_cache_evictions=s.allocator.num_evictions,
+            stage_tokens=tuple(self.timeline.stage_tokens),
         )
 
     # ---- results --------------------------------------------------------------------------
@@ -381,6 +392,7 @@ class AsyncEngine:
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             prompt_tokens=len(r.prompt_token_ids),
             completion_tokens=stream.sent_tokens,
+            cached_tokens=r.num_cached_tokens or 0,
             logprobs=logprobs,
         )
 

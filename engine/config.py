@@ -40,6 +40,7 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
     dynamic_chunking: bool = False  # size later chunks of a prompt from a prefill latency model
     chunk_smooth: float = 0.75  # how strictly chunk sizes follow the model (0: fixed, 1: strictly)
+    enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (scheduler/block_allocator.py)
     # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
     # + c seconds for the whole model (see engine/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
@@ -81,6 +82,7 @@ class EngineConfig:
         chunked_prefill_size: int = 512,
         dynamic_chunking: bool = False,
         chunk_smooth: float | None = None,
+        enable_prefix_caching: bool = True,
         synthetic_latency: tuple[float, float, float] | None = None,
         async_depth: int = 0,
         threads_per_stage: int | None = None,
@@ -210,6 +212,7 @@ class EngineConfig:
             chunked_prefill_size=chunked_prefill_size,
             dynamic_chunking=dynamic_chunking,
             chunk_smooth=chunk_smooth,
+            enable_prefix_caching=enable_prefix_caching,
             synthetic_latency=synthetic_latency,
             async_depth=async_depth,
             threads_per_stage=threads_per_stage,

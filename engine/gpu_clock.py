@@ -21,14 +21,15 @@ class Span:
     end: float  # ... and when the call returned
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     clock: GpuClock | None = None
+    tokens: int = 0  # rows the stage's layers computed
 
     def timing(self, stage: int) -> Timing:
         """Blocks until the kernels are done, on CUDA (call it off the event loop there)."""
         if self.events is None or self.clock is None:
-            return Timing(stage, self.start, self.end)
+            return Timing(stage, self.start, self.end, self.tokens)
         begin, finish = self.events
         finish.synchronize()
-        return Timing(stage, self.clock.wall(begin), self.clock.wall(finish))
+        return Timing(stage, self.clock.wall(begin), self.clock.wall(finish), self.tokens)
 
 
 class GpuClock:

@@ -21,4 +21,5 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     prompt_tokens: int
     completion_tokens: int  # so far
+    cached_tokens: int = 0  # of prompt_tokens, how many were found in the prefix cache (not computed)
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for

@@ -35,6 +35,7 @@ class StageRunner:
         model.fuse()
         self.model = model.eval()
         self.gather_buffers = GatherBuffers()
+        self.tokens_computed = 0  # rows through this stage's layers, since start (metrics, tests)
         try:
             self.kv_cache = allocate_kv_cache(
                 mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
@@ -65,6 +66,7 @@ class StageRunner:
                 raise ValueError(f"stage {self.stage} needs hidden states from stage {self.stage - 1}")
             inputs = hidden.to(device)
         h = self.model(inputs, md.positions, self.kv_cache, md)
+        self.tokens_computed += h.shape[0]
         if not self.last:
             return h
         if all_logits:

@@ -357,9 +357,9 @@ class StageWorker:
         loop = asyncio.get_running_loop()
         while (item := await received.get()) is not None:
             plan, header, hidden = item
-            start = time.time()
+            start, before = time.time(), self.runner.tokens_computed
             out, events = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
-            span = Span(start, time.time(), events, self._gpu_clock)
+            span = Span(start, time.time(), events, self._gpu_clock, self.runner.tokens_computed - before)
             await outputs.put((plan, header.timings if header else [], span, out))
         await outputs.put(None)
 

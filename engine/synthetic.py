@@ -44,12 +44,14 @@ class SyntheticRunner:
         self.share = len(config.layer_ranges[stage]) / config.model_config.num_layers
         self.last = stage == config.pp_size - 1
         self.token = config.model_config.vocab_size - 1
+        self.tokens_computed = 0
 
     def execute(
         self, chunks: Sequence[SeqChunk], hidden: torch.Tensor | None = None, all_logits: bool = False
     ) -> torch.Tensor:
         time.sleep(synthetic_seconds(self.latency, chunks, self.share))
         rows = sum(c.num_new for c in chunks)
+        self.tokens_computed += rows
         if not self.last:
             # hidden: [num_tokens, hidden_size], contents irrelevant; it still crosses the channel.
             return torch.zeros((rows, self.config.model_config.hidden_size), dtype=self.config.torch_dtype)

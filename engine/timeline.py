@@ -31,6 +31,7 @@ class Timeline:
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._plans: dict[int, tuple[str, int, int]] = {}  # in flight: mb_id -> (kind, tokens, prefix)
         self.prefill_chunks: Counter[int] = Counter()  # prefill chunk size -> how many, since start
+        self.stage_tokens = [0] * pp_size  # per stage: tokens its layers computed, since start
 
     def on_plan(self, plan: StepPlan) -> None:
         tokens, prefix, prefills = 0, 0, 0
@@ -50,6 +51,8 @@ class Timeline:
     def on_result(self, result: StepResult) -> None:
         kind, tokens, prefix = self._plans.pop(result.mb_id, ("unknown", 0, 0))
         for t in result.timings:
+            if 0 <= t.stage < self.pp_size:
+                self.stage_tokens[t.stage] += t.tokens
             self.intervals.append(Interval(t.stage, result.mb_id, kind, tokens, prefix, t.start, t.end))
 
     def since(self, start: float) -> list[Interval]:

@@ -38,6 +38,10 @@ class Request:
     # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its
     # transfer is done (`Scheduler.release_held`).
     hold_kv: bool = False
+    # Prefix caching: the hash of each full block of tokens so far (block_allocator.block_hash),
+    # computed once; and how many prompt tokens its first admission found cached (None before).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

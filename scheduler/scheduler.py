@@ -12,9 +12,18 @@ Pipelining rules:
 - Each plan takes at most ceil(active / pp_size) requests, so that decoding requests spread over
   pp_size micro-batches and every stage has one to work on.
 
-KV blocks: allocated as chunks are scheduled; when they run out, the most recently admitted
-request with nothing in flight is preempted (its blocks freed, recomputed later from its tokens).
-A finished or aborted request frees its blocks only once no plan in flight still writes them.
+KV blocks: allocated as chunks are scheduled; when they run out, cached blocks are evicted, and
+then the most recently admitted request with nothing in flight is preempted (its blocks freed,
+recomputed later from its tokens). A finished or aborted request frees its blocks only once no
+plan in flight still writes them.
+
+Prefix caching: a request starts from the longest run of full blocks whose contents are cached
+(shared by reference; at least one token is always computed, to sample from), and skips ahead
+again whenever another request has since filled the blocks it would compute next: requests that
+arrive together with one system prompt take turns computing its chunks. A block becomes
+findable as soon as the plan that fills it is built: a later reader is in a later plan, which
+every stage runs after this one, or in the same plan, where each layer writes the batch's KV
+before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ppserve.scheduler.block_allocator import BlockAllocator
+from ppserve.scheduler.block_allocator import BlockAllocator, block_hash
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.request import FinishReason, Request
@@ -41,6 +50,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
     dynamic_chunking: bool = False  # later chunks of a prompt shrink so that every chunk takes equal time
     chunk_smooth: float = 0.75  # 0: fixed chunks; 1: follow the latency model strictly
+    enable_prefix_caching: bool = False  # the engine turns it on by default
 
 
 @dataclass
@@ -55,7 +65,7 @@ class Scheduler:
             raise ValueError("chunked_prefill_size, max_batched_tokens and max_running_requests must be >= 1")
         self.config = config
         self.depth = config.pp_size + config.async_depth
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -67,6 +77,8 @@ class Scheduler:
         self._next_mb = 0
         self._released: list[str] = []  # announced requests the last stage may forget
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0  # ... and found there
         self.chunker = ChunkSizePredictor(
             config.chunked_prefill_size, config.chunk_smooth if config.dynamic_chunking else 0.0, config.block_size
         )
@@ -164,17 +176,24 @@ class Scheduler:
                 continue  # preempted just now (a running request always holds blocks)
             if r.awaiting_sample or r.num_scheduled_tokens >= r.num_tokens:
                 continue
+            if self.allocator.enable_caching:
+                self._skip_cached(r)
             n = min(self._chunk_size(r), budget)
             if self._reserve(r, n):
                 budget -= self._take(r, n, items)
 
         while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
-            r = self.waiting[0]
-            n = min(self._chunk_size(r), budget)
-            if self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table) > self.allocator.num_free:
+            r = self.waiting[0]  # new or preempted: nothing computed, no blocks
+            hits = self._cached_prefix(r)
+            start = len(hits) * cfg.block_size
+            n = min(self._chunk_size(r, start), budget)
+            # Taking a cached block that nobody uses removes it from what can be allocated.
+            fresh = self.allocator.num_free - sum(1 for b in hits if self.allocator.ref_count(b) == 0)
+            if self.allocator.blocks_for(start + n) - len(hits) > fresh:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(r)
+            self._admit(r, hits)
             self._reserve(r, n)
             budget -= self._take(r, n, items)
 
@@ -182,21 +201,84 @@ class Scheduler:
             return None
         return self._emit(items)
 
-    def _chunk_size(self, r: Request) -> int:
-        """Tokens r would take next: a decode step, or a prefill chunk (sized by the predictor:
-        fixed, or shrinking with the prefix so that every chunk takes the same time)."""
-        remaining = r.num_tokens - r.num_scheduled_tokens
+    def _chunk_size(self, r: Request, start: int | None = None) -> int:
+        """Tokens r would take next (from `start`, by default what it has scheduled): a decode
+        step, or a prefill chunk (sized by the predictor: fixed, or shrinking with the prefix so
+        that every chunk takes the same time)."""
+        start = r.num_scheduled_tokens if start is None else start
+        remaining = r.num_tokens - start
         if remaining <= 1:
             return remaining
-        return self.chunker.next_chunk(r.num_scheduled_tokens, remaining)
+        return self.chunker.next_chunk(start, remaining)
 
-    @staticmethod
-    def _take(r: Request, n: int, items: list[tuple[Request, int]]) -> int:
+    def _take(self, r: Request, n: int, items: list[tuple[Request, int]]) -> int:
         """Put n tokens of r in the plan being built; it counts as in flight from now on (so it is
-        never preempted while the plan is assembled)."""
+        never preempted while the plan is assembled), and the blocks it fills become findable."""
         r.inflight_plans += 1
         items.append((r, n))
+        if self.allocator.enable_caching:
+            bs = self.config.block_size
+            first, end = r.num_scheduled_tokens // bs, (r.num_scheduled_tokens + n) // bs
+            self._hash_blocks(r, end)
+            for i in range(first, end):
+                self.allocator.register(r.block_table[i], r.block_hashes[i])
         return n
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def _hash_blocks(self, r: Request, num_blocks: int) -> None:
+        """Extend r.block_hashes to its first `num_blocks` full blocks."""
+        bs = self.config.block_size
+        for i in range(len(r.block_hashes), num_blocks):
+            parent = r.block_hashes[i - 1] if i else None
+            r.block_hashes.append(block_hash(parent, r.token_slice(i * bs, (i + 1) * bs)))
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached blocks r can start from; the last token is never among them, so that
+        there is something to compute and sample from."""
+        if not self.allocator.enable_caching:
+            return []
+        usable = (r.num_tokens - 1) // self.config.block_size
+        self._hash_blocks(r, usable)
+        return self.allocator.lookup(r.block_hashes[:usable])
+
+    def _admit(self, r: Request, hits: list[int]) -> None:
+        """r starts running from its cached prefix (shared blocks, computed already)."""
+        self.allocator.take(hits)
+        r.block_table.extend(hits)
+        cached = len(hits) * self.config.block_size
+        r.num_computed_tokens = r.num_scheduled_tokens = cached
+        if r.num_cached_tokens is None:  # what the client is told: its first admission only
+            r.num_cached_tokens = cached
+        if self.allocator.enable_caching:
+            self.prefix_queries += r.num_tokens
+            self.prefix_hits += cached
+
+    def _skip_cached(self, r: Request) -> None:
+        """A running request whose next blocks another request has filled since (in a plan
+        built before this one) takes them instead of computing them again."""
+        bs = self.config.block_size
+        done = len(r.block_table)
+        usable = (r.num_tokens - 1) // bs
+        if r.num_scheduled_tokens != done * bs or usable <= done:
+            return  # mid-block (its next tokens go into a block of its own), or nothing to find
+        self._hash_blocks(r, usable)
+        hits = self.allocator.lookup(r.block_hashes[done:usable])
+        if not hits:
+            return
+        self.allocator.take(hits)
+        r.block_table.extend(hits)
+        skipped = len(hits) * bs
+        r.num_scheduled_tokens += skipped  # plans in flight still add theirs to num_computed_tokens
+        r.num_computed_tokens += skipped
+        self.prefix_hits += skipped
+        if not r.output_token_ids and r.num_cached_tokens is not None:
+            r.num_cached_tokens += skipped
+
+    def flush_cache(self) -> int:
+        """Forget every cached prefix (requests running keep their blocks); returns how many
+        unused cached blocks became free."""
+        return self.allocator.flush()
 
     def _reserve(self, r: Request, n: int) -> bool:
         """Make sure r's blocks cover n more tokens, preempting others if needed."""
@@ -304,6 +386,7 @@ class Scheduler:
         preempted = list(self.running)
         for r in reversed(preempted):  # keep their order at the head of the queue
             self._preempt(r)
+        self.allocator.flush()  # a replaced stage has none of the cached KV
         return len(preempted)
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
@@ -323,4 +406,5 @@ class Scheduler:
         for r in ended:
             r.inflight_plans = 0
             self._free(r)
+        self.allocator.flush()
         return ended

@@ -183,6 +183,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/debug/timeline", timeline)
+    app.router.add_post("/flush_cache", flush_cache)
     openai_api.add_routes(app)
     native_api.add_routes(app)
     openapi.add_routes(app)
@@ -297,6 +298,15 @@ async def models(request: web.Request) -> web.Response:
         "synthetic": state.config.synthetic_latency is not None,  # stages that only model timing
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Admin: forget every cached prompt prefix (requests running keep their KV). It slows
+    everyone's next requests, so it needs the API key: a server without one refuses it."""
+    state = request.app[STATE]
+    if not state.options.api_key:
+        raise ApiError(403, "/flush_cache is an admin endpoint: start the server with --api-key to use it")
+    return web.json_response({"freed_blocks": state.ready.scheduler.flush_cache()})
 
 
 async def timeline(request: web.Request) -> web.Response:

@@ -81,6 +81,13 @@ def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
         help="shrink later prefill chunks of a long prompt so every chunk takes equal time (profiles at start-up)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes seen before (a shared system prompt, a conversation's earlier "
+        "turns) instead of computing it again (default: on)",
+    )
+    p.add_argument(
         "--dynamic-chunking-smooth-factor",
         type=float,
         default=None,
@@ -278,6 +285,7 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
         max_waiting_requests=max_waiting_requests,
         dynamic_chunking=args.enable_dynamic_chunking,
         chunk_smooth=args.dynamic_chunking_smooth_factor,
+        enable_prefix_caching=args.enable_prefix_caching,
         synthetic_latency=args.synthetic_latency,
         stage_timeout_s=args.stage_timeout,
         max_stage_restarts=args.max_stage_restarts,

@@ -125,6 +125,26 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
         restarts.add_metric([str(stage)], n)
     yield restarts
     yield GaugeMetricFamily("ppserve_recovering", "1 while a failed stage is being replaced", value=int(s.recovering))
+    yield CounterMetricFamily(
+        "ppserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=s.prefix_cache_queries
+    )
+    yield CounterMetricFamily(
+        "ppserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", value=s.prefix_cache_hits
+    )
+    yield GaugeMetricFamily(
+        "ppserve_prefix_cache_blocks",
+        "KV blocks holding a cached prefix (in use, or kept for reuse until the space is needed)",
+        value=s.prefix_cache_blocks,
+    )
+    yield CounterMetricFamily(
+        "ppserve_prefix_cache_evictions", "Cached KV blocks given to new contents", value=s.prefix_cache_evictions
+    )
+    computed = CounterMetricFamily(
+        "ppserve_stage_computed_tokens", "Tokens each stage's layers computed (prompt and generated)", labels=["stage"]
+    )
+    for stage, n in enumerate(s.stage_tokens):
+        computed.add_metric([str(stage)], n)
+    yield computed
     busy = GaugeMetricFamily(
         "ppserve_stage_busy_fraction", "Fraction of the last 10 s each stage spent computing", labels=["stage"]
     )

@@ -80,8 +80,12 @@ async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id
 
 def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
     if r is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0}
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+        return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+    }
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

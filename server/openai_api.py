@@ -52,11 +52,14 @@ def _header(state: ServerState, rid: str, kind: str) -> dict[str, Any]:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": state.options.served_model_name}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object. A prompt with n choices counts once, so its cached tokens are
+    those of its first choice (the others share the blocks that choice computes)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -104,12 +107,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
             }
             for i, r in enumerate(results)
         ]
-        usage = _usage(prompt_tokens, sum(r.completion_tokens for r in results))
+        cached = sum(r.cached_tokens for r in results[:: body.n])
+        usage = _usage(prompt_tokens, sum(r.completion_tokens for r in results), cached)
         return web.json_response({**base, "choices": choices, "usage": usage})
 
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
         completion_tokens = 0
+        cached = [0] * len(streams)
         extra = {"usage": None} if body.include_usage else {}
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
@@ -119,10 +124,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 text, echoes[i] = echoes[i] + out.text, ""
                 offsets[i] += len(out.text)
                 completion_tokens += len(out.token_ids)
+                cached[i] = out.cached_tokens
                 choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
                 yield {**base, "choices": [choice], **extra}
         if body.include_usage:
-            yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+            yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]))}
 
     return await sse_response(request, events())
 
@@ -171,24 +177,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             }
             for i, r in enumerate(results)
         ]
-        usage = _usage(len(ids), sum(r.completion_tokens for r in results))
+        usage = _usage(len(ids), sum(r.completion_tokens for r in results), results[0].cached_tokens)
         return web.json_response({**base, "choices": choices, "usage": usage})
 
     base["object"] = "chat.completion.chunk"
 
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         extra = {"usage": None} if body.include_usage else {}
-        completion_tokens = 0
+        completion_tokens, cached = 0, 0
         for i in range(body.n):  # OpenAI opens each choice with the role
             yield {**base, "choices": [_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)], **extra}
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
                 completion_tokens += len(out.token_ids)
+                if i == 0:
+                    cached = out.cached_tokens
                 logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
                 delta = {"content": out.text} if out.text or not out.finished else {}
                 yield {**base, "choices": [_chunk_choice(i, delta, logprobs, out)], **extra}
         if body.include_usage:
-            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens)}
+            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)}
 
     return await sse_response(request, events())
 

@@ -25,6 +25,7 @@ from ppserve.server.responses import (
     Completion,
     CompletionChunk,
     ErrorResponse,
+    FlushCacheResult,
     GenerateChunk,
     GenerateResult,
     Health,
@@ -221,6 +222,15 @@ def _paths() -> dict[str, Any]:
                 {"200": _json("ChromeTrace", "the trace"), **_errors(401, 503)},
             )
         },
+        "/flush_cache": {
+            "post": _op(
+                "flushCache",
+                "operations",
+                "Admin: forget every cached prompt prefix, so the next requests compute theirs again (requests "
+                "running keep their KV); needs the API key, and a server started without one refuses it (403)",
+                {"200": _json("FlushCacheResult", "the cache is empty"), **_errors(401, 403, 415, 503)},
+            )
+        },
         "/openapi.json": {
             "get": _op(
                 "openapi",
@@ -289,7 +299,7 @@ def _components() -> dict[str, Any]:
     responses: list[Any] = [
         ErrorResponse,
         *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
-        *(GenerateResult, GenerateChunk, Health, ChromeTrace, PipelineView),
+        *(GenerateResult, GenerateChunk, Health, FlushCacheResult, ChromeTrace, PipelineView),
     ]
     (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
         [*requests, *responses, WsMessage, WsEvent], ref_template=REF

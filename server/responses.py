@@ -28,10 +28,15 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorDetail
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens found in the prefix cache rather than computed
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -146,6 +151,7 @@ class ModelList(msgspec.Struct):
 class NativeUsage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of prompt_tokens, found in the prefix cache rather than computed
 
 
 class NativeLogprob(msgspec.Struct):
@@ -171,6 +177,10 @@ class GenerateChunk(msgspec.Struct):
     token_ids: list[int]
     finish_reason: FinishReason | None
     usage: NativeUsage | None = None
+
+
+class FlushCacheResult(msgspec.Struct):
+    freed_blocks: int  # cached KV blocks that nobody used, now free (blocks in use keep their KV)
 
 
 class Health(msgspec.Struct):

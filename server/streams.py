@@ -35,6 +35,7 @@ class Collected:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -43,6 +44,7 @@ class Collected:
         self.finish_reason = out.finish_reason
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
 
 
 async def collect(streams: Sequence[Stream]) -> list[Collected]:

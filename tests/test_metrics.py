@@ -21,7 +21,9 @@ def _samples(metrics: ServerMetrics) -> dict[str, float]:
 
 
 async def test_histograms_and_counters_follow_prometheus_semantics() -> None:
-    stats = EngineStats(2, 1, 10, 100, (0.5, 0.25), {256: 3, 100: 1}, (1e-9, 2e-5, 0.001), 7, (0, 2), True)
+    stats = EngineStats(
+        2, 1, 10, 100, (0.5, 0.25), {256: 3, 100: 1}, (1e-9, 2e-5, 0.001), 7, (0, 2), True, 900, 600, 12, 5, (40, 38)
+    )
     metrics = ServerMetrics(lambda: stats)
     metrics.itl.observe(0.005)  # exactly on a bucket edge: counts as <= 0.005
     metrics.itl.observe(0.3, 2)
@@ -48,3 +50,6 @@ async def test_histograms_and_counters_follow_prometheus_semantics() -> None:
     assert m['ppserve_prefill_latency_coefficient{term="b"}'] == 2e-5
     assert m["ppserve_preemptions_total"] == 7 and m["ppserve_recovering"] == 1
     assert m['ppserve_stage_restarts_total{stage="0"}'] == 0 and m['ppserve_stage_restarts_total{stage="1"}'] == 2
+    assert m["ppserve_prefix_cache_queries_total"] == 900 and m["ppserve_prefix_cache_hits_total"] == 600
+    assert m["ppserve_prefix_cache_blocks"] == 12 and m["ppserve_prefix_cache_evictions_total"] == 5
+    assert m['ppserve_stage_computed_tokens_total{stage="1"}'] == 38

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -73,6 +73,7 @@ class Timing(msgspec.Struct, frozen=True, array_like=True):
     stage: int
     start: float  # time.time() on that stage's host, seconds
     end: float
+    tokens: int = 0  # rows (tokens) this stage's layers computed for the micro-batch
 
 
 class Sampled(msgspec.Struct, frozen=True, array_like=True):

@@ -1,0 +1,190 @@
+"""Prefix caching changes nothing but the work: outputs are equal with it on and off, and the
+cached part of a prompt is computed by no stage.
+
+The in-process tests drive the real scheduler with every stage's runner in this process, the way
+the pipeline does: up to pp_size plans in flight, each run by every stage in order, results fed
+back oldest first. The last one runs the stage processes."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from helpers import pipeline, random_prompt
+
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.scheduler.request import Request
+from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from ppserve.transport.messages import Sampled, StepPlan, StepResult
+
+BLOCK = 8
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int  # the pipeline step at which the request comes in
+    name: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Served:
+    outputs: dict[str, list[int]]
+    cached: dict[str, int]  # name -> prompt tokens its first admission found cached
+    scheduler: Scheduler
+
+
+def serve(pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_blocks: int) -> Served:
+    cfg = pipe.config
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            pp_size=cfg.pp_size,
+            async_depth=0,
+            max_batched_tokens=64,
+            chunked_prefill_size=16,
+            enable_prefix_caching=caching,
+        )
+    )
+    pending = deque(sorted(arrivals, key=lambda a: a.step))
+    requests: dict[str, Request] = {}
+    inflight: deque[StepPlan] = deque()
+    eos, max_len = cfg.model_config.eos_token_ids, cfg.max_model_len
+    step = 0
+    while pending or s.has_work or inflight:
+        while pending and pending[0].step <= step:
+            a = pending.popleft()
+            requests[a.name] = Request(a.name, a.prompt, a.params, eos, max_len)
+            s.add(requests[a.name])
+        while (plan := s.schedule()) is not None:
+            inflight.append(plan)
+        if inflight:  # what the stages do with the oldest plan (they run plans in order)
+            plan = inflight.popleft()
+            for rid in plan.released:
+                pipe.sampler.remove_request(rid)
+            for new in plan.new_requests:
+                pipe.sampler.add_request(new.request_id, new.params, new.output_token_ids)
+            logits = pipe.forward(plan.chunks)
+            ids = [c.request_id for c in plan.chunks if c.sample]
+            samples = pipe.sampler.sample(ids, logits)
+            s.update(StepResult(plan.mb_id, [Sampled(r, x.token_id) for r, x in zip(ids, samples, strict=True)], []))
+        step += 1
+        assert step < 10_000
+    assert s.allocator.num_free == num_blocks, "KV blocks leaked"
+    return Served(
+        {n: r.output_token_ids for n, r in requests.items()},
+        {n: r.num_cached_tokens or 0 for n, r in requests.items()},
+        s,
+    )
+
+
+def workload(seed: int, vocab: int) -> list[Arrival]:
+    """Prompts that share random prefixes (some whole, some a block-aligned cut, some exact
+    repeats), a seeded sampled request, and n = 3 choices of one prompt, arriving at random
+    steps among each other's decodes."""
+    rng = random.Random(seed)
+    bases = [random_prompt(rng, rng.randrange(24, 72), vocab) for _ in range(3)]
+    arrivals: list[Arrival] = []
+    for i in range(14):
+        base = rng.choice(bases)
+        cut = rng.choice([len(base), rng.randrange(1, len(base)), (len(base) // BLOCK) * BLOCK])
+        prompt = base[:cut] + random_prompt(rng, rng.randrange(0, 20), vocab)
+        if i % 5 == 4:
+            prompt = list(arrivals[rng.randrange(len(arrivals))].prompt)  # an exact repeat
+        arrivals.append(Arrival(rng.randrange(40), f"g{i}", prompt or base, GREEDY))
+    arrivals.append(Arrival(5, "full-blocks", bases[0][: 4 * BLOCK], GREEDY))  # all blocks full: last is recomputed
+    arrivals.append(Arrival(25, "full-blocks-again", bases[0][: 4 * BLOCK], GREEDY))
+    arrivals.append(Arrival(rng.randrange(40), "seeded", bases[1] + random_prompt(rng, 9, vocab), SEEDED))
+    choices = bases[2] + random_prompt(rng, 5, vocab)
+    for i in range(3):  # as the OpenAI server submits n = 3: seed + i for choice i
+        arrivals.append(Arrival(12, f"n3-{i}", choices, replace(SEEDED, seed=99 + i)))
+    return arrivals
+
+
+@pytest.mark.parametrize("pp", [1, 3])
+def test_outputs_equal_with_caching_on_and_off(llama_dir: Path, pp: int) -> None:
+    num_blocks = 24  # small enough that requests are preempted
+    pipe = pipeline(llama_dir, pp_size=pp, block_size=BLOCK, num_kv_blocks=num_blocks)
+    for seed in range(3):
+        arrivals = workload(seed, pipe.config.model_config.vocab_size)
+        on = serve(pipe, arrivals, caching=True, num_blocks=num_blocks)
+        off = serve(pipe, arrivals, caching=False, num_blocks=num_blocks)
+        assert on.outputs == off.outputs
+        assert on.scheduler.prefix_hits > 0 and off.scheduler.prefix_hits == 0
+        assert on.scheduler.num_preemptions > 0 and on.scheduler.allocator.num_evictions > 0, "no pressure"
+        assert on.cached["full-blocks-again"] <= 3 * BLOCK  # never all 4: one token is always computed
+        assert on.cached["n3-1"] > 0 and on.cached["n3-2"] > 0  # the choices share the prompt's blocks
+        assert len({tuple(on.outputs[f"n3-{i}"]) for i in range(3)}) > 1  # ... yet sample apart
+
+
+def test_every_stage_skips_the_cached_tokens(llama_dir: Path) -> None:
+    pipe = pipeline(llama_dir, pp_size=3, block_size=BLOCK, num_kv_blocks=64)
+    rng = random.Random(5)
+    system = random_prompt(rng, 100, pipe.config.model_config.vocab_size)
+    first = Arrival(0, "first", system + random_prompt(rng, 7), GREEDY)
+    second = Arrival(0, "second", system + random_prompt(rng, 11), GREEDY)
+    before = [r.tokens_computed for r in pipe.runners]
+    served = serve(pipe, [first], caching=True, num_blocks=64)
+    assert [r.tokens_computed - b for r, b in zip(pipe.runners, before, strict=True)] == [
+        107 + 7
+    ] * 3  # 8 tokens: 7 decodes
+
+    before = [r.tokens_computed for r in pipe.runners]
+    both = serve(pipe, [first, second], caching=True, num_blocks=64)
+    cached = both.cached["second"]
+    assert cached == 96 and both.cached["first"] == 0  # 12 full blocks of the 100 shared tokens
+    computed = [r.tokens_computed - b for r, b in zip(pipe.runners, before, strict=True)]
+    assert computed == [(107 + 7) + (111 - cached + 7)] * 3
+    assert served.outputs["first"] == both.outputs["first"]
+
+
+def engine_config(model_dir: Path, caching: bool) -> EngineConfig:
+    return EngineConfig.create(
+        model_dir,
+        pp_size=3,
+        tensor_transport="shm",
+        threads_per_stage=1,
+        block_size=BLOCK,
+        num_kv_blocks=128,
+        chunked_prefill_size=32,
+        enable_prefix_caching=caching,
+    )
+
+
+@pytest.mark.slow
+async def test_stage_processes_skip_cached_tokens_and_match_the_reference(llama_dir: Path) -> None:
+    rng = random.Random(11)
+    system = random_prompt(rng, 90)
+    prompts = [system + random_prompt(rng, n) for n in (6, 13, 2)]
+    reference = [g.token_ids for g in pipeline(llama_dir).generate(prompts, GREEDY, chunk_size=16)]
+    async with AsyncEngine(engine_config(llama_dir, caching=True)) as engine:
+        outputs, cached = [], []
+        for prompt in prompts:
+            tokens, before = [], engine.stats().stage_tokens
+            async for out in engine.generate(prompt, GREEDY):
+                tokens += out.token_ids
+            outputs.append(tokens)
+            cached.append(out.cached_tokens)
+            computed = [a - b for a, b in zip(engine.stats().stage_tokens, before, strict=True)]
+            # Every stage computed the uncached prompt tokens and the 7 decode steps, nothing else.
+            assert computed == [len(prompt) - out.cached_tokens + 7] * 3
+        stats = engine.stats()
+        assert stats.prefix_cache_hits == sum(cached) and stats.prefix_cache_queries == sum(map(len, prompts))
+        assert engine.scheduler.flush_cache() > 0 and engine.stats().prefix_cache_blocks == 0
+        tokens = []
+        async for out in engine.generate(prompts[0], GREEDY):
+            tokens += out.token_ids
+        assert out.cached_tokens == 0 and tokens == reference[0]  # flushed: computed again, the same
+    assert cached == [0, 88, 88]  # 11 full blocks of the 90 shared tokens
+    assert outputs == reference
