@@ -47,8 +47,8 @@ CHUNK = 4096
 async def run_prompt(config: EngineConfig, prompt_len: int) -> tuple[float, list[Interval], int]:
     """TTFT of one prompt, the compute intervals it caused, and how many prefill chunks it took."""
     async with AsyncEngine(config) as engine:
-        async for _ in engine.generate([7] * 64, SamplingParams(max_tokens=2)):
-            pass  # warm-up: lazy set-up in every process
+        async for _ in engine.generate([8] * 64, SamplingParams(max_tokens=2)):
+            pass  # warm-up: lazy set-up in every process (other tokens: nothing for the prompt to find cached)
         start_wall, start = time.time(), time.perf_counter()
         async for _ in engine.generate([7] * prompt_len, SamplingParams(max_tokens=1, ignore_eos=True)):
             pass

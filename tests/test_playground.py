@@ -248,10 +248,12 @@ async def test_websocket_chat_streams_what_chat_completions_answers(live_server:
         await ws.send_json({"type": "chat", "id": "c", "messages": CONVERSATION, "sampling_params": GREEDY})
         events = await _until_done(ws, "c")
         tokens, done = events[:-1], events[-1]
-        assert done["type"] == "done" and done["usage"] == {
-            "prompt_tokens": answer["usage"]["prompt_tokens"],
-            "completion_tokens": answer["usage"]["completion_tokens"],
-        }
+        usage = done["usage"]
+        assert done["type"] == "done" and (usage["prompt_tokens"], usage["completion_tokens"]) == (
+            answer["usage"]["prompt_tokens"],
+            answer["usage"]["completion_tokens"],
+        )
+        assert usage["cached_tokens"] > 0  # the conversation again: its prompt is in the prefix cache
         assert "".join(e["text"] for e in tokens) == answer["choices"][0]["message"]["content"]
         assert len(tokens) == 12
 
