@@ -255,8 +255,8 @@ class Scheduler:
             self.prefix_hits += cached
 
     def _skip_cached(self, r: Request) -> None:
-        """A running request whose next blocks another request has filled since (in a plan
-        built before this one) takes them instead of computing them again."""
+        """A running request whose next blocks another request has filled since (in an earlier
+        plan, or earlier in this one) takes them instead of computing them again."""
         bs = self.config.block_size
         done = len(r.block_table)
         usable = (r.num_tokens - 1) // bs

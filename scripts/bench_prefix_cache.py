@@ -385,7 +385,8 @@ def main() -> None:
             progress(f"round {r + 1} caching {mode}", result)
     same = [a == b for a, b in zip(replies["on"], replies["off"], strict=True)]  # first round of each
     wall_off = statistics.median(r["no_sharing"]["duration_s"] for r in runs["off"])
-    extra = {"host_overhead_no_sharing": host_overhead(prompts["no_sharing"], args, tok, wall_off),
+    host = host_overhead(prompts["no_sharing"], args, tok, wall_off)
+    extra = {"host_overhead_no_sharing": host,
              "model_dir": str(model_dir), "model_shape": SHAPES.get(args.shape, str(DEMO_SPEC)),
              "system_prompt_tokens": len(tok.encode(system, add_special_tokens=False)),
              "server_flags": f"{common} {args.ppserve_args}".strip(),  # and --[no-]enable-prefix-caching
@@ -396,7 +397,6 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(json.loads(json.dumps(result), parse_constant=lambda _: None), indent=2) + "\n")
     print_table(result)
-    host = extra["host_overhead_no_sharing"]
     print(f"scheduler, no-sharing requests: {host['scheduler_s_on'] * 1e3:.1f} ms with caching, "
           f"{host['scheduler_s_off'] * 1e3:.1f} ms without: {host['fraction_of_run']:.2%} of the run")  # fmt: skip
     print(f"greedy multi-turn replies identical on vs off: {extra['greedy_replies_identical_fraction']:.0%}")

@@ -108,6 +108,15 @@ class ServerMetrics(Collector):
         yield from _engine_families(self.stats())
 
 
+def _per_stage(
+    kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str, values: tuple[float, ...]
+) -> Metric:
+    family = kind(name, doc, labels=["stage"])
+    for stage, value in enumerate(values):
+        family.add_metric([str(stage)], value)
+    return family
+
+
 def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
     if s is None:  # the engine is not started yet
         return
@@ -118,12 +127,12 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ppserve_preemptions", "Requests preempted (KV given up and recomputed later)", value=s.preemptions
     )
-    restarts = CounterMetricFamily(
-        "ppserve_stage_restarts", "Times each stage's process was replaced after a failure", labels=["stage"]
+    yield _per_stage(
+        CounterMetricFamily,
+        "ppserve_stage_restarts",
+        "Times each stage's process was replaced after a failure",
+        s.stage_restarts,
     )
-    for stage, n in enumerate(s.stage_restarts):
-        restarts.add_metric([str(stage)], n)
-    yield restarts
     yield GaugeMetricFamily("ppserve_recovering", "1 while a failed stage is being replaced", value=int(s.recovering))
     yield CounterMetricFamily(
         "ppserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=s.prefix_cache_queries
@@ -139,18 +148,18 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ppserve_prefix_cache_evictions", "Cached KV blocks given to new contents", value=s.prefix_cache_evictions
     )
-    computed = CounterMetricFamily(
-        "ppserve_stage_computed_tokens", "Tokens each stage's layers computed (prompt and generated)", labels=["stage"]
+    yield _per_stage(
+        CounterMetricFamily,
+        "ppserve_stage_computed_tokens",
+        "Tokens each stage's layers computed (prompt and generated)",
+        s.stage_tokens,
     )
-    for stage, n in enumerate(s.stage_tokens):
-        computed.add_metric([str(stage)], n)
-    yield computed
-    busy = GaugeMetricFamily(
-        "ppserve_stage_busy_fraction", "Fraction of the last 10 s each stage spent computing", labels=["stage"]
+    yield _per_stage(
+        GaugeMetricFamily,
+        "ppserve_stage_busy_fraction",
+        "Fraction of the last 10 s each stage spent computing",
+        s.stage_busy,
     )
-    for stage, fraction in enumerate(s.stage_busy):
-        busy.add_metric([str(stage)], fraction)
-    yield busy
     counts = [0] * (len(_CHUNK_BUCKETS) + 1)
     for size, n in s.prefill_chunks.items():
         counts[bisect.bisect_left(_CHUNK_BUCKETS, size)] += n

@@ -18,7 +18,9 @@ from helpers import pipeline, random_prompt
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.latency_profile import profile_points
 from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.scheduler.chunk_predictor import LatencyModel
 from ppserve.scheduler.request import Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -35,6 +37,7 @@ class Arrival:
     name: str
     prompt: list[int]
     params: SamplingParams
+    abort_at: int | None = None  # the step at which the client goes away, if it does
 
 
 @dataclass
@@ -42,9 +45,16 @@ class Served:
     outputs: dict[str, list[int]]
     cached: dict[str, int]  # name -> prompt tokens its first admission found cached
     scheduler: Scheduler
+    chunk_sizes: set[int]  # of the prefill chunks that did not end a prompt
 
 
-def serve(pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_blocks: int) -> Served:
+# A steep attention term: with dynamic chunking, chunks after a prefix of 64 shrink from 32 to 8.
+STEEP = LatencyModel(a=1e-6, b=1e-5, c=1e-3)
+
+
+def serve(
+    pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_blocks: int, dynamic: bool = False
+) -> Served:
     cfg = pipe.config
     s = Scheduler(
         SchedulerConfig(
@@ -53,24 +63,35 @@ def serve(pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_b
             pp_size=cfg.pp_size,
             async_depth=0,
             max_batched_tokens=64,
-            chunked_prefill_size=16,
+            chunked_prefill_size=32 if dynamic else 16,
+            dynamic_chunking=dynamic,
+            chunk_smooth=1.0,
             enable_prefix_caching=caching,
         )
     )
+    if dynamic:
+        fresh, prefixed = profile_points(32, 1024)
+        s.set_profile(0, [(p, x, STEEP.chunk(p, x)) for p, x in [*fresh, *prefixed]])
     pending = deque(sorted(arrivals, key=lambda a: a.step))
+    aborts = {a.name: a.abort_at for a in arrivals if a.abort_at is not None}
     requests: dict[str, Request] = {}
     inflight: deque[StepPlan] = deque()
     eos, max_len = cfg.model_config.eos_token_ids, cfg.max_model_len
+    chunk_sizes: set[int] = set()
     step = 0
     while pending or s.has_work or inflight:
         while pending and pending[0].step <= step:
             a = pending.popleft()
             requests[a.name] = Request(a.name, a.prompt, a.params, eos, max_len)
             s.add(requests[a.name])
+        for name, at in aborts.items():
+            if at == step and name in requests:
+                s.abort(name)
         while (plan := s.schedule()) is not None:
             inflight.append(plan)
         if inflight:  # what the stages do with the oldest plan (they run plans in order)
             plan = inflight.popleft()
+            chunk_sizes |= {c.num_new for c in plan.chunks if not c.sample}
             for rid in plan.released:
                 pipe.sampler.remove_request(rid)
             for new in plan.new_requests:
@@ -86,6 +107,7 @@ def serve(pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_b
         {n: r.output_token_ids for n, r in requests.items()},
         {n: r.num_cached_tokens or 0 for n, r in requests.items()},
         s,
+        chunk_sizes,
     )
 
 
@@ -109,6 +131,10 @@ def workload(seed: int, vocab: int) -> list[Arrival]:
     choices = bases[2] + random_prompt(rng, 5, vocab)
     for i in range(3):  # as the OpenAI server submits n = 3: seed + i for choice i
         arrivals.append(Arrival(12, f"n3-{i}", choices, replace(SEEDED, seed=99 + i)))
+    for i in range(2):  # clients that go away mid-prompt or mid-answer, sharing a prefix
+        step = rng.randrange(30)
+        prompt = bases[i] + random_prompt(rng, 30, vocab)
+        arrivals.append(Arrival(step, f"gone-{i}", prompt, GREEDY, abort_at=step + rng.randrange(1, 12)))
     return arrivals
 
 
@@ -116,11 +142,16 @@ def workload(seed: int, vocab: int) -> list[Arrival]:
 def test_outputs_equal_with_caching_on_and_off(llama_dir: Path, pp: int) -> None:
     num_blocks = 24  # small enough that requests are preempted
     pipe = pipeline(llama_dir, pp_size=pp, block_size=BLOCK, num_kv_blocks=num_blocks)
-    for seed in range(3):
+    for seed in range(4):
         arrivals = workload(seed, pipe.config.model_config.vocab_size)
-        on = serve(pipe, arrivals, caching=True, num_blocks=num_blocks)
-        off = serve(pipe, arrivals, caching=False, num_blocks=num_blocks)
-        assert on.outputs == off.outputs
+        dynamic = seed == 3  # chunks that shrink with the prefix, as with --enable-dynamic-chunking
+        on = serve(pipe, arrivals, caching=True, num_blocks=num_blocks, dynamic=dynamic)
+        off = serve(pipe, arrivals, caching=False, num_blocks=num_blocks, dynamic=dynamic)
+        # The aborted requests end at the same step, not after the same tokens: left out.
+        kept = [a.name for a in arrivals if a.abort_at is None]
+        assert [on.outputs[n] for n in kept] == [off.outputs[n] for n in kept]
+        # The chunking meant is the one tested: shrinking from 32 to 8, or at most 16 throughout.
+        assert {32, 8} <= on.chunk_sizes if dynamic else max(on.chunk_sizes) == 16, on.chunk_sizes
         assert on.scheduler.prefix_hits > 0 and off.scheduler.prefix_hits == 0
         assert on.scheduler.num_preemptions > 0 and on.scheduler.allocator.num_evictions > 0, "no pressure"
         assert on.cached["full-blocks-again"] <= 3 * BLOCK  # never all 4: one token is always computed

@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from live_server import LiveServer
+from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 
 from ppserve.engine.config import EngineConfig
@@ -50,6 +51,20 @@ def _chat(server: LiveServer, question: str, n: int = 1) -> tuple[list[str], int
     return [c.message.content or "" for c in resp.choices], resp.usage.prompt_tokens, cached
 
 
+def _streamed_usage(server: LiveServer, prompt: str) -> CompletionUsage:
+    stream = _client(server).completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = list(stream)[-1].usage
+    assert usage is not None
+    return usage
+
+
 @pytest.mark.slow
 def test_a_shared_system_prompt_is_reported_cached_and_changes_nothing(live_server: LiveServer) -> None:
     assert live_server.request("POST", "/flush_cache", {})[0] == 200
@@ -68,27 +83,10 @@ def test_a_shared_system_prompt_is_reported_cached_and_changes_nothing(live_serv
     texts, _, n_cached = _chat(live_server, "What is a stage?", n=3)
     assert texts == [first[0]] * 3 and n_cached == cached
 
-    # Streams and /generate report it too.
-    stream = _client(live_server).completions.create(
-        model=live_server.model,
-        prompt=SYSTEM + "Q: what is a stage?",
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    stream = _client(live_server).completions.create(
-        model=live_server.model,
-        prompt=SYSTEM + "Q: what is a stage?",
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    usage = list(stream)[-1].usage
-    assert chunks[-1].usage is not None and usage is not None and usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens and usage.prompt_tokens_details.cached_tokens > 0
+    # Streams and /generate report it too: the second of two equal streamed prompts finds it cached.
+    streams = [_streamed_usage(live_server, SYSTEM + "Q: what is a stage?") for _ in range(2)]
+    assert streams[1].prompt_tokens_details is not None and streams[1].prompt_tokens_details.cached_tokens
+    assert streams[1].prompt_tokens_details.cached_tokens > 0
     body = {"text": SYSTEM + "Q: what is a stage?", "sampling_params": {"max_tokens": 4, "temperature": 0}}
     status, _, raw = live_server.request("POST", "/generate", body)
     assert status == 200 and json.loads(raw)["usage"]["cached_tokens"] > 0
