@@ -77,9 +77,9 @@ class BlockAllocator:
         """n blocks for new contents: free ones first, then the least recently used cached ones.
 
         In ascending order: blocks taken together then mostly lie one after the other in memory,
-        which a CPU reads up to twice as fast as scattered blocks (its prefetchers stop at each
-        block's end otherwise). Eviction goes tail first (see `free`), which alone would hand
-        out an old request's blocks backwards."""
+        which the CPU decode kernel reads about twice as fast as scattered or reversed blocks
+        (README, "Benchmarks: prefix caching"). Eviction goes tail first (see `free`), which
+        alone would hand out an old request's blocks backwards."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free")
         keep = max(0, len(self._free) - n)
