@@ -8,6 +8,7 @@ import random
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -36,11 +37,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def allocate(self, n: int) -> None:
         held = set(self._held())
         if n > self.alloc.num_free:
-            try:
+            with pytest.raises(OutOfBlocks):
                 self.alloc.allocate(n)
-            except OutOfBlocks:
-                return
-            raise AssertionError("allocated more blocks than were free")
+            return
         blocks = self.alloc.allocate(n)
         assert len(set(blocks)) == n
         assert not held & set(blocks), "a block in use was handed out again (evicted)"
@@ -108,18 +107,10 @@ def test_double_free_and_sharing_a_free_block_are_refused() -> None:
     alloc = BlockAllocator(4, 4, enable_caching=True)
     (b,) = alloc.allocate(1)
     alloc.free([b])
-    try:
+    with pytest.raises(ValueError, match="freed more often"):
         alloc.free([b])
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a double free went unnoticed")
-    try:
-        alloc.take([b])
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a free block (no contents) was shared")
+    with pytest.raises(ValueError, match="only cached or used blocks"):
+        alloc.take([b])  # a free block holds nothing to share
 
 
 def test_tail_blocks_are_evicted_before_the_prefix_they_extend() -> None:
