@@ -11,6 +11,7 @@ import torch
 
 from ppserve.engine.cluster import ClusterConfig
 from ppserve.engine.devices import shares_a_gpu, stage_gpus
+from ppserve.engine.gguf_checkpoint import is_gguf_file, prepare_gguf
 from ppserve.engine.kv_cache import kv_bytes_per_block
 from ppserve.engine.model_config import ConfigError, ModelConfig
 from ppserve.engine.partition import partition_layers
@@ -99,6 +100,8 @@ class EngineConfig:
         disagg_transfer_timeout_s: float = 30.0,
         disagg_key: bytes | None = None,
     ) -> EngineConfig:
+        if is_gguf_file(model):  # from here on, the prepared directory stands for the file
+            model = prepare_gguf(model)
         model_config = ModelConfig.from_dir(model)
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")

@@ -3,7 +3,8 @@
 Each node loads its stages from its own copy of the checkpoint, so node 0 compares fingerprints
 when a node joins: config.json, and the weight index (the sharded index file, or the header of a
 single model.safetensors: every tensor's name, dtype, shape and offset). Tensor values are not
-read: that would mean reading every weight on every start.
+read: that would mean reading every weight on every start. A GGUF checkpoint is named by its
+file's sha256 (engine/file_hash.py computes it once per version of the file).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import struct
 from pathlib import Path
 
+from ppserve.engine.gguf_checkpoint import gguf_sha256, is_prepared_gguf
 from ppserve.engine.model_config import ConfigError
 from ppserve.engine.weights import INDEX_FILE, SINGLE_FILE
 
@@ -22,7 +24,9 @@ def checkpoint_fingerprint(model_dir: str | Path) -> dict[str, str]:
     index = model_dir / INDEX_FILE
     try:
         config = (model_dir / "config.json").read_bytes()
-        if index.is_file():
+        if is_prepared_gguf(model_dir):
+            weights = gguf_sha256(model_dir).encode()
+        elif index.is_file():
             weights = index.read_bytes()
         else:
             with open(model_dir / SINGLE_FILE, "rb") as f:

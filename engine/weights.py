@@ -1,4 +1,5 @@
-"""Load a stage's tensors, and only those, from `model.safetensors` or a sharded index."""
+"""Load a stage's tensors, and only those, from `model.safetensors`, a sharded index, or a prepared
+GGUF checkpoint (engine/gguf_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import json
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ppserve.engine.gguf_checkpoint import gguf_tensor_names, is_prepared_gguf, read_gguf_tensors
 from ppserve.engine.model import StageModel
 from ppserve.engine.model_config import ConfigError
 
@@ -47,22 +50,37 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
     also embeds).
     """
     model_dir = Path(model_dir)
-    where = checkpoint_files(model_dir)
+    gguf = is_prepared_gguf(model_dir)
+    where = {} if gguf else checkpoint_files(model_dir)
+    available = gguf_tensor_names(model_dir) if gguf else set(where)
     tied = stage.cfg.tie_word_embeddings
     wanted = {name: p for name, p in stage.named_parameters(remove_duplicate=False)}
     # source tensor name -> our parameter names that take it
     sources: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
-        src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in where else name
+        src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in available else name
         sources[src].append(name)
-    missing = sorted(src for src in sources if src not in where)
+    missing = sorted(src for src in sources if src not in available)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConfigError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
+    tensors = read_gguf_tensors(model_dir, sources, dtype) if gguf else _read_safetensors(model_dir, where, sources)
+    for src, names in sources.items():
+        tensor = tensors[src]
+        for name in names:
+            expected = tuple(wanted[name].shape)
+            if tuple(tensor.shape) != expected:
+                raise ConfigError(f"tensor {src} has shape {tuple(tensor.shape)}, expected {expected} for {name}")
+        loaded = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        for name in names:
+            module_name, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(module_name), attr, loaded)
 
+
+def _read_safetensors(model_dir: Path, where: dict[str, str], names: Iterable[str]) -> dict[str, torch.Tensor]:
     by_file: dict[str, list[str]] = defaultdict(list)
-    for src in sources:
-        by_file[where[src]].append(src)
+    for name in names:
+        by_file[where[name]].append(name)
     loaded: dict[str, torch.Tensor] = {}
     files = sorted(by_file)
     # tqdm's default lock is a multiprocessing semaphore, which a stage process would leak at
@@ -70,17 +88,5 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
     tqdm.set_lock(threading.RLock())
     for file in tqdm(files, desc="loading shards", disable=len(files) < 2, file=sys.stderr):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
-            for src in by_file[file]:
-                tensor = f.get_tensor(src)
-                for name in sources[src]:
-                    expected = tuple(wanted[name].shape)
-                    if tuple(tensor.shape) != expected:
-                        raise ConfigError(
-                            f"tensor {src} has shape {tuple(tensor.shape)}, expected {expected} for {name}"
-                        )
-                loaded[src] = tensor.to(device=device, dtype=dtype)
-    for src, names in sources.items():
-        for name in names:
-            module_name, _, attr = name.rpartition(".")
-            module = stage.get_submodule(module_name)
-            setattr(module, attr, torch.nn.Parameter(loaded[src], requires_grad=False))
+            loaded.update({name: f.get_tensor(name) for name in by_file[file]})
+    return loaded

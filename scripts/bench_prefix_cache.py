@@ -61,7 +61,7 @@ from ppserve.engine.tokenizer import Tokenizer  # noqa: E402
 from ppserve.scheduler.request import Request  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from ppserve.server.demo import DEMO_SPEC, demo_checkpoint  # noqa: E402
+from ppserve.server.demo import TINY_SPEC, tiny_random_checkpoint  # noqa: E402
 from ppserve.transport.messages import Sampled, StepResult  # noqa: E402
 
 STALL_S = 300  # a stream silent this long: the server is stuck (the request fails)
@@ -366,7 +366,7 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each unwinds the `with`: the server stops
         signal.signal(sig, bp.interrupt)
     t0 = time.monotonic()
-    model_dir = demo_checkpoint() if args.shape == "tiny" else checkpoint(args.shape)
+    model_dir = tiny_random_checkpoint() if args.shape == "tiny" else checkpoint(args.shape)
     tok = Tokenizer(model_dir)
     system = random_text(random.Random(f"{args.seed}-system"), args.system_tokens, tok)
     prompts: dict[str, Prompter] = {"multi_turn": multi_turn(args, tok, system)}
@@ -387,7 +387,7 @@ def main() -> None:
     wall_off = statistics.median(r["no_sharing"]["duration_s"] for r in runs["off"])
     host = host_overhead(prompts["no_sharing"], args, tok, wall_off)
     extra = {"host_overhead_no_sharing": host,
-             "model_dir": str(model_dir), "model_shape": SHAPES.get(args.shape, str(DEMO_SPEC)),
+             "model_dir": str(model_dir), "model_shape": SHAPES.get(args.shape, str(TINY_SPEC)),
              "system_prompt_tokens": len(tok.encode(system, add_special_tokens=False)),
              "server_flags": f"{common} {args.ppserve_args}".strip(),  # and --[no-]enable-prefix-caching
              "greedy_replies_identical_fraction": sum(same) / len(same),

@@ -7,7 +7,7 @@ and output-token throughput, TTFT and inter-token latency (ITL) percentiles, e2e
 
     # against any OpenAI-compatible server: HTTP only
     python scripts/bench_serving.py --url http://127.0.0.1:8000 [--api-key K] [--model-name M]
-    # no --url: start `ppserve serve` on --model-dir (default: the demo model), run the workload;
+    # no --url: start `ppserve serve` on --model-dir (default: the tiny random model), run the workload;
     # then run the same workload through an in-process AsyncEngine; --rounds times, alternating
     python scripts/bench_serving.py --num-requests 64 --input-len 64:256 --output-len 32:128 \
         [--request-rate 8] [--rounds 2] [--tag poisson]
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from ppserve.server.demo import demo_checkpoint  # noqa: E402
+from ppserve.server.demo import tiny_random_checkpoint  # noqa: E402
 
 STATS = ("ttft", "itl", "tpot", "e2e")
 
@@ -357,7 +357,7 @@ def main() -> None:
     p.add_argument("--url", default=None, help="benchmark this server only (default: start ppserve, compare)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-name", default=None, help="the request's model field (default: omitted)")
-    p.add_argument("--model-dir", default=None, help="checkpoint (default: the demo model); gives the vocab size")
+    p.add_argument("--model-dir", default=None, help="checkpoint (default: tiny-random); gives the vocab size")
     p.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below this")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s (default inf: all at once)")
@@ -376,7 +376,7 @@ def main() -> None:
     # The stages use cpu_count // pp_size threads each; the host only schedules and streams.
     torch.set_num_threads(1)
 
-    model_dir = Path(args.model_dir) if args.model_dir else demo_checkpoint()
+    model_dir = Path(args.model_dir) if args.model_dir else tiny_random_checkpoint()
     vocab = args.vocab_size or json.loads((model_dir / "config.json").read_text())["vocab_size"]
     jobs = make_workload(args.num_requests, args.input_len, args.output_len, args.request_rate, vocab, args.seed)
     # Warm-up: a short burst of small requests (other seed), so no measured run pays first-call costs.

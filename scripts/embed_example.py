@@ -9,7 +9,7 @@ import asyncio
 import sys
 
 from ppserve import AsyncEngine, EngineConfig, SamplingParams
-from ppserve.server.demo import demo_checkpoint
+from ppserve.server.demo import resolve_model
 
 
 async def answer(engine: AsyncEngine, name: str, prompt: str) -> None:
@@ -28,4 +28,4 @@ async def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":  # required: stage processes are spawned and re-import this module
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else str(demo_checkpoint())))
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else resolve_model(None)))

@@ -47,11 +47,13 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-def _add_model_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    if model_required:
-        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    else:
-        p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face checkpoint directory, a .gguf file, or tiny-random (a small random model for tests) "
+        "(default: the demo model, SmolLM2-135M-Instruct, downloaded once)",
+    )
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--layer-partition", default=None, help="layers per stage, e.g. 3,3,4 (default: even split)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
-    _add_model_flags(serve, model_required=False)
+    _add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     key = serve.add_mutually_exclusive_group()
@@ -266,11 +268,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
-def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: int = 4096) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, max_waiting_requests: int = 4096) -> EngineConfig:
     from ppserve.engine.config import EngineConfig
+    from ppserve.server.demo import resolve_model
 
     return EngineConfig.create(
-        model,
+        resolve_model(args.model),
         pp_size=args.pp_size,
         layer_partition=args.layer_partition,
         dtype=args.dtype,
@@ -297,7 +300,7 @@ def _engine_config(args: argparse.Namespace, model: str, max_waiting_requests: i
 def _generate(args: argparse.Namespace) -> None:
     from ppserve.scheduler.sampling_params import SamplingParams
 
-    config = _engine_config(args, args.model)
+    config = _engine_config(args)
     if config.cluster is not None and not config.cluster.is_host:
         serve_node(config)
     max_tokens = args.max_tokens
@@ -373,7 +376,7 @@ async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParam
 def _serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.node_rank > 0:  # no HTTP here (its flags, API key file included, are node 0's)
-        serve_node(_engine_config(args, args.model or _demo_model()))
+        serve_node(_engine_config(args))
     # Before loading anything: a bad key file or a port in use fails in a moment, not after the
     # stages start.
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
@@ -387,21 +390,14 @@ def _serve(args: argparse.Namespace) -> None:
             sock.close()
 
 
-def _demo_model() -> str:
-    from ppserve.server.demo import demo_checkpoint
-
-    print("ppserve: no --model given; using the built-in demo model (random weights)", flush=True)
-    return str(demo_checkpoint())
-
-
 def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socket.socket]) -> None:
     from ppserve.server.app import ServerOptions
+    from ppserve.server.demo import model_name
 
-    model = args.model or _demo_model()
-    config = _engine_config(args, model, args.max_waiting_requests)
+    config = _engine_config(args, args.max_waiting_requests)
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
-        served_model_name=args.served_model_name or (args.model or "ppserve-demo"),
+        served_model_name=args.served_model_name or model_name(args.model),
         api_key=api_key or os.environ.get("PPSERVE_API_KEY") or None,
         host=args.host,
         allowed_origins=args.allowed_origins,

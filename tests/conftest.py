@@ -10,6 +10,7 @@ import torch
 from live_server import LiveServer
 
 from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.server.demo import demo_model
 
 # Two cores: keep torch from oversubscribing them when tests run stage work in one process.
 torch.set_num_threads(2)
@@ -48,6 +49,13 @@ def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The llama spec again, written as several shards with an index."""
     spec = TinySpec(**{**SPECS["llama"].__dict__, "max_shard_size": "200KB"})
     return make_tiny_checkpoint(tmp_path_factory.mktemp("sharded"), spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The demo model's GGUF (SmolLM2-135M-Instruct, Q4_1), downloaded into the user's cache
+    directory on first use and kept there, so that later runs work offline."""
+    return demo_model()
 
 
 @pytest.fixture(scope="session")

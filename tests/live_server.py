@@ -17,6 +17,8 @@ from typing import Any
 
 from procs import children, read
 
+from ppserve.server.demo import DEMO_MODEL
+
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
 
@@ -49,7 +51,7 @@ class LiveServer:
         )
         self.output: list[str] = []
         self.url = self._wait_for_url(timeout_s)
-        self.model = str(model_dir) if model_dir is not None else "ppserve-demo"
+        self.model = str(model_dir) if model_dir is not None else DEMO_MODEL
 
     def _wait_for_url(self, timeout_s: float) -> str:
         found: list[str] = []

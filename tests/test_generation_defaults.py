@@ -14,7 +14,7 @@ import pytest
 from live_server import LiveServer
 
 from ppserve.engine.model_config import ConfigError, ModelConfig
-from ppserve.server.demo import DEMO_SPEC
+from ppserve.server.demo import TINY_SPEC
 
 DEFAULT = 5
 
@@ -44,8 +44,8 @@ def test_parsed_from_generation_config(model_with_default: Path, llama_dir: Path
             ModelConfig.from_dict(raw, {"max_new_tokens": bad})
 
 
-def test_the_demo_model_has_a_default() -> None:
-    assert DEMO_SPEC.max_new_tokens is not None and DEMO_SPEC.max_new_tokens < DEMO_SPEC.max_position_embeddings
+def test_the_tiny_random_model_has_a_default() -> None:
+    assert TINY_SPEC.max_new_tokens is not None and TINY_SPEC.max_new_tokens < TINY_SPEC.max_position_embeddings
 
 
 @pytest.mark.slow

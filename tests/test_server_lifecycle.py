@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -12,7 +13,7 @@ import openai
 import pytest
 from live_server import LiveServer
 
-from ppserve.server.demo import DEMO_NAME
+from ppserve.server.demo import DEMO_MODEL, TINY_NAME, TINY_RANDOM
 
 pytestmark = pytest.mark.slow
 
@@ -114,16 +115,42 @@ def test_shutdown_lets_requests_in_flight_finish(llama_dir: Path) -> None:
     server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
 
 
-def test_demo_model_is_built_once_and_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_model_is_prepared_once_and_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> None:
+    """No --model: SmolLM2 from the cache directory (seeded here with the downloaded file, so the
+    test needs no network), prepared on first use and answering in English."""
     monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    shutil.copy(smollm2_gguf, tmp_path / "models" / smollm2_gguf.name)
     server = LiveServer(None, "--pp-size", "2", *SMALL, api_key=None)
     try:
         code, _, raw = server.request("GET", "/v1/models")
-        assert code == 200 and json.loads(raw)["data"][0]["id"] == "ppserve-demo"
+        assert code == 200 and json.loads(raw)["data"][0]["id"] == DEMO_MODEL
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        code, _, raw = server.request("POST", "/v1/chat/completions", body)
+        choice = json.loads(raw)["choices"][0]
+        assert code == 200 and choice["finish_reason"] == "stop", choice
+        assert "Paris" in choice["message"]["content"], choice
+    finally:
+        assert server.stop() == 0
+    # No temporary leftovers: the model, its prepared directory with one shard per layer and the
+    # two end pieces, the hashes, and the decode-attention kernel the stages built.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "kernels", "models", "sha256"]
+    (prepared,) = (tmp_path / "gguf").iterdir()
+    shards = sorted(p.name for p in (prepared / "float32").iterdir())
+    assert len(shards) == 30 + 2 and not any(name.startswith(".") for name in shards), shards
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
+
+
+def test_tiny_random_model_is_built_once_and_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
+    server = LiveServer(Path(TINY_RANDOM), "--pp-size", "2", *SMALL, api_key=None)
+    try:
+        code, _, raw = server.request("GET", "/v1/models")
+        assert code == 200 and json.loads(raw)["data"][0]["id"] == TINY_RANDOM
         code, _, raw = server.request("POST", COMP, {"prompt": "hello", "max_tokens": 3})
         assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
     finally:
         assert server.stop() == 0
-    # No temporary leftovers: the demo model, and the decode-attention kernel the stages built.
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([DEMO_NAME, "kernels"])
-    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([TINY_NAME, "kernels"])

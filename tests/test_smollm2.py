@@ -1,0 +1,148 @@
+"""A trained model, served: SmolLM2-135M-Instruct's GGUF through ppserve against transformers' own
+GGUF loader on the same (dequantized) weights.
+
+transformers reads the GGUF with its own code (names, q/k permutation, tokenizer), so a mistake in
+ppserve's GGUF loader shows up here as different tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from live_server import LiveServer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+PROMPTS = [
+    "What is pipeline parallelism in one sentence?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a prime number is to a ten-year-old.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "List the planets of the solar system in order.",
+]
+BF16_TOL = 2e-2  # logit tolerance relative to the logit scale, as in test_model_exactness
+
+
+class Reference:
+    """transformers' greedy replies on the GGUF, in float32 (and its model, for bfloat16 ties)."""
+
+    def __init__(self, gguf: Path) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        self.model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        self.model.eval()
+        self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prompts = [self.chat_ids(p) for p in PROMPTS]
+        self.replies = [self.greedy(self.model, ids) for ids in self.prompts]
+
+    def chat_ids(self, text: str) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        ids: list[int] = self.tokenizer.encode(rendered, add_special_tokens=False)
+        return ids
+
+    def greedy(self, model: torch.nn.Module, prompt: list[int]) -> list[int]:
+        """Greedy tokens up to and including <|im_end|>, at most NEW_TOKENS."""
+        with torch.no_grad():
+            out = model.generate(  # type: ignore[operator]
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=self.eos
+            )
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    def text(self, reply: list[int]) -> str:
+        return str(self.tokenizer.decode(reply, skip_special_tokens=True))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf: Path) -> Reference:
+    return Reference(smollm2_gguf)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 5])
+def server(request: pytest.FixtureRequest, smollm2_gguf: Path) -> Iterator[LiveServer]:
+    srv = LiveServer(smollm2_gguf, "--pp-size", str(request.param), "--kv-cache-gb", "0.05")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.output)
+
+
+def _all(fn: Any, items: list[Any]) -> list[Any]:
+    """fn over items, concurrently (so the server batches them)."""
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _generate(server: LiveServer, ids: list[int], **params: Any) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": NEW_TOKENS, **params}}
+    code, _, raw = server.request("POST", "/generate", body)
+    assert code == 200, raw
+    out: dict[str, Any] = json.loads(raw)
+    return out
+
+
+def test_chat_replies_equal_transformers(server: LiveServer, reference: Reference) -> None:
+    """Through the OpenAI client: the same replies, ending at <|im_end|> with finish_reason stop."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+    def chat(text: str) -> Any:
+        return client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=NEW_TOKENS
+        ).choices[0]
+
+    for prompt, choice, reply in zip(PROMPTS, _all(chat, PROMPTS), reference.replies, strict=True):
+        assert choice.message.content == reference.text(reply), prompt
+        ended = reply[-1] == reference.eos
+        assert choice.finish_reason == ("stop" if ended else "length"), prompt
+    assert sum(r[-1] == reference.eos for r in reference.replies) >= 4  # most replies end on their own
+
+
+def test_generate_token_ids_equal_transformers(server: LiveServer, reference: Reference) -> None:
+    """Through /generate with the prompts' token ids: the same token ids, <|im_end|> included."""
+    outs = _all(lambda ids: _generate(server, ids), reference.prompts)
+    for prompt, out, reply in zip(PROMPTS, outs, reference.replies, strict=True):
+        assert out["token_ids"] == reply, prompt
+        assert out["finish_reason"] == ("stop" if reply[-1] == reference.eos else "length"), prompt
+
+
+def test_stop_strings_on_real_text(server: LiveServer, reference: Reference) -> None:
+    """A stop string cuts the reply where the reference's text has it, and is not part of it."""
+    texts = [reference.text(r) for r in reference.replies]
+    cases = [(ids, text) for ids, text in zip(reference.prompts, texts, strict=True) if "." in text.rstrip(".")]
+    assert cases
+    outs = _all(lambda case: _generate(server, case[0], stop=["."]), cases)
+    for (_, text), out in zip(cases, outs, strict=True):
+        assert out["text"] == text[: text.index(".")] and out["finish_reason"] == "stop", (text, out["text"])
+
+
+def test_bfloat16_agrees_up_to_ties(smollm2_gguf: Path, reference: Reference) -> None:
+    """In bfloat16, ppserve and transformers agree up to the first near-tie, where transformers'
+    own logits rank the two tokens within the tolerance (as tests/test_model_exactness.py)."""
+    hf = copy.deepcopy(reference.model).to(torch.bfloat16)  # type: ignore[arg-type]
+    server = LiveServer(smollm2_gguf, "--pp-size", "2", "--dtype", "bfloat16", "--kv-cache-gb", "0.05")
+    try:
+        outs = _all(lambda ids: _generate(server, ids), reference.prompts)
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+    for prompt, out in zip(reference.prompts, outs, strict=True):
+        ours = out["token_ids"]
+        theirs = reference.greedy(hf, prompt)
+        i = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        if i is None:
+            continue
+        with torch.no_grad():
+            step = hf(torch.tensor([prompt + theirs[:i]])).logits[0, -1].float()
+        scale = max(1.0, step.abs().max().item())
+        gap = (step[theirs[i]] - step[ours[i]]).item()
+        assert gap <= BF16_TOL * scale, f"token {i}: {ours[i]} instead of {theirs[i]}, {gap:.4f} below it"
