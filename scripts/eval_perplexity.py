@@ -1,0 +1,136 @@
+"""The perplexity of a text through a ppserve server, against transformers on the same weights.
+
+The server scores the text as evaluation harnesses do (lm-evaluation-harness's
+`local-completions`): `/v1/completions` with `echo: true`, `logprobs: 0` and `max_tokens: 0`
+returns the log-probability of every prompt token after the first. transformers computes the same
+from its own forward pass on the same token ids (for a GGUF, through its own GGUF loader).
+
+    .venv/bin/python scripts/eval_perplexity.py                        # the demo model, PP=2, starts the server
+    .venv/bin/python scripts/eval_perplexity.py --pp-size 3 --chunked-prefill-size 64
+    .venv/bin/python scripts/eval_perplexity.py --url http://127.0.0.1:8000 --no-reference
+
+Prints both perplexities and their relative difference; exits 1 when it exceeds --tolerance
+(default 1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "benchmarks" / "data" / "perplexity.txt"
+
+
+@contextmanager
+def server(model: Path, pp_size: int, extra: list[str]) -> Iterator[str]:
+    """`ppserve serve` on a free loopback port; yields its URL."""
+    cmd = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(model), "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--pp-size", str(pp_size), "--kv-cache-gb", "0.1", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(r"serving .* at (http://\S+)", line):
+            url = m.group(1)
+            break
+    else:
+        raise RuntimeError("the server did not start:\n" + "".join(lines))
+    stdout = proc.stdout
+
+    def drain() -> None:  # keep reading its output, so that it never blocks on a full pipe
+        for _ in stdout:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def server_logprobs(url: str, ids: list[int]) -> list[float]:
+    """Log-probabilities of ids[1:] given what precedes each, from the server."""
+    body = {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0, "temperature": 0}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    scores: list[float | None] = choice["logprobs"]["token_logprobs"]
+    if len(scores) != len(ids) or scores[0] is not None or any(s is None for s in scores[1:]):
+        raise RuntimeError(f"expected {len(ids)} prompt logprobs, the first null; got {scores[:3]}...")
+    return [float(s) for s in scores[1:] if s is not None]
+
+
+def reference_logprobs(model: Path, ids: list[int]) -> list[float]:
+    """The same from transformers (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if model.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, **kwargs)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    scores = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return [float(s) for s in scores]
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the demo model)")
+    p.add_argument("--url", default=None, help="score through this running server (serving --model) instead")
+    p.add_argument("--pp-size", type=int, default=2)
+    p.add_argument("--chunked-prefill-size", type=int, default=128, help="so that the text spans several chunks")
+    p.add_argument("--text", default=str(TEXT))
+    p.add_argument("--no-reference", action="store_true", help="skip transformers")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="largest relative difference accepted")
+    args = p.parse_args()
+
+    from ppserve.engine.config import EngineConfig
+    from ppserve.engine.tokenizer import Tokenizer
+    from ppserve.server.demo import resolve_model
+
+    model = Path(resolve_model(args.model))
+    tokenizer = Tokenizer(EngineConfig.create(model, num_kv_blocks=1).model)  # a GGUF's prepared directory
+    ids = tokenizer.encode(Path(args.text).read_text())
+    if args.url:
+        ours = server_logprobs(args.url, ids)
+    else:
+        with server(model, args.pp_size, ["--chunked-prefill-size", str(args.chunked_prefill_size)]) as url:
+            ours = server_logprobs(url, ids)
+    result: dict[str, Any] = {"tokens": len(ids), "ppserve": perplexity(ours)}
+    if not args.no_reference:
+        theirs = reference_logprobs(model, ids)
+        result["transformers"] = perplexity(theirs)
+        result["relative_difference"] = abs(result["ppserve"] - result["transformers"]) / result["transformers"]
+        result["max_token_logprob_difference"] = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    print(json.dumps(result, indent=2))
+    return int(result.get("relative_difference", 0.0) > args.tolerance)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
