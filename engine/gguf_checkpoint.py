@@ -191,6 +191,7 @@ def _hf_config(get: Any, arch: str, tensor_names: set[str], file: str) -> dict[s
         raise ConfigError(f"{file}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,  # transformers' name of the family (the same three names)
         "hidden_size": hidden,
         "intermediate_size": int(get(f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(get(f"{arch}.block_count")),
