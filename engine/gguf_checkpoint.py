@@ -117,6 +117,11 @@ def read_gguf_tensors(model_dir: str | Path, names: Iterable[str], dtype: torch.
                 out.update({name: f.get_tensor(name) for name in shard_names})
             continue
         if source is None:
+            todo = sum(not (shard_dir / f"{name}.safetensors").is_file() for name in wanted)
+            print(
+                f"ppserve: dequantizing {todo} layer group(s) of {Path(info['source']).name} to {dtype} (once)",
+                flush=True,
+            )
             source = _map_source(info)
         tensors = {name: _dequantize(source, name, table[name], dtype) for name in table if _shard_of(name) == shard}
         shard_dir.mkdir(exist_ok=True)

@@ -64,7 +64,10 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConfigError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
-    tensors = read_gguf_tensors(model_dir, sources, dtype) if gguf else _read_safetensors(model_dir, where, sources)
+    if gguf:
+        tensors = read_gguf_tensors(model_dir, sources, dtype)
+    else:  # read in `dtype` one by one, so that a stage never holds two copies of its weights
+        tensors = _read_safetensors(model_dir, where, sources, dtype)
     for src, names in sources.items():
         tensor = tensors[src]
         for name in names:
@@ -77,7 +80,9 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
             setattr(stage.get_submodule(module_name), attr, loaded)
 
 
-def _read_safetensors(model_dir: Path, where: dict[str, str], names: Iterable[str]) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    model_dir: Path, where: dict[str, str], names: Iterable[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_file[where[name]].append(name)
@@ -88,5 +93,5 @@ def _read_safetensors(model_dir: Path, where: dict[str, str], names: Iterable[st
     tqdm.set_lock(threading.RLock())
     for file in tqdm(files, desc="loading shards", disable=len(files) < 2, file=sys.stderr):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
-            loaded.update({name: f.get_tensor(name) for name in by_file[file]})
+            loaded.update({name: f.get_tensor(name).to(dtype) for name in by_file[file]})
     return loaded
