@@ -30,7 +30,7 @@ import zmq
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg import DecodeRooms, PrefillRooms
 from ppserve.engine.disagg_faults import DisaggFaults
-from ppserve.engine.outputs import RequestOutput, TokenLogprob
+from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.restart_budget import RestartBudget
 from ppserve.engine.stage_pool import StageError, StagePool
 from ppserve.engine.timeline import Timeline
@@ -83,6 +83,7 @@ class _Stream:
     emitted: int = 0  # characters of `text` already yielded
     sent_tokens: int = 0
     pending: list[Sampled] = field(default_factory=list)  # tokens not yet yielded
+    first: bool = True  # no output yielded yet (the first carries the prompt logprobs)
 
 
 class AsyncEngine:
@@ -299,6 +300,8 @@ class AsyncEngine:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary (size {vocab})")
+        if params.prompt_logprobs is not None and self.config.disaggregation:
+            raise ValueError("prompt_logprobs are not supported with prefill/decode disaggregation")
         mc = self.config.model_config
         return Request(request_id, ids, params, mc.eos_token_ids, self.config.max_model_len)
 
@@ -384,6 +387,10 @@ class AsyncEngine:
                 TokenLogprob(s.token_id, s.logprob or 0.0, tuple((t, lp) for t, lp in s.top_logprobs)) for s in samples
             ]
         stream.sent_tokens += len(token_ids)
+        prompt = None
+        if r.params.prompt_logprobs is not None and stream.first:
+            prompt = prompt_logprobs(r.prompt_token_ids, r.prompt_scores)
+        stream.first = False
         return RequestOutput(
             request_id=r.request_id,
             text=text,
@@ -394,6 +401,7 @@ class AsyncEngine:
             completion_tokens=stream.sent_tokens,
             cached_tokens=r.num_cached_tokens or 0,
             logprobs=logprobs,
+            prompt_logprobs=prompt,
         )
 
     # ---- failures -------------------------------------------------------------------------

@@ -202,6 +202,7 @@ class PrefillRooms:
             frequency_penalty=w.frequency_penalty,
             seed=w.seed,
             logprobs=w.logprobs,
+            prompt_logprobs=w.prompt_logprobs,  # refused by the engine here: the room fails, naming it
             ignore_eos=True,  # the first token is sampled whatever it is: the decode side decides on EOS
         )
         try:

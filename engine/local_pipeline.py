@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.prompt_logprobs import last_stage_outputs, prompt_rows
 from ppserve.engine.sampler import Sample, Sampler
 from ppserve.engine.stage_runner import StageRunner
 from ppserve.scheduler.block_allocator import BlockAllocator
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.transport.messages import SeqChunk
+from ppserve.transport.messages import SeqChunk, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,22 @@ class LocalPipeline:
         self.allocator = BlockAllocator(config.num_kv_blocks, config.block_size)
         self._ids = itertools.count()
 
-    def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, chunks: Sequence[SeqChunk], all_logits: bool = False, prompt_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
         """One micro-batch through every stage in turn; returns the last stage's logits."""
         out: torch.Tensor | None = None
         for runner in self.runners:
-            out = runner.execute(chunks, out, all_logits=all_logits)
+            out = runner.execute(chunks, out, all_logits=all_logits, prompt_rows=prompt_rows)
         assert out is not None
         return out
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """A scheduler's plan, run as the stage processes run it (without timings): for tests
+        that drive the real scheduler in one process."""
+        logits = self.forward(plan.chunks, prompt_rows=prompt_rows(plan))
+        samples, prompt_logprobs = last_stage_outputs(self.sampler, plan, logits)
+        return StepResult(plan.mb_id, samples, [], prompt_logprobs)
 
     def generate(
         self,

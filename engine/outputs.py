@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ppserve.scheduler.request import TokenScore
 
 
 @dataclass(frozen=True)
@@ -23,3 +26,14 @@ class RequestOutput:
     completion_tokens: int  # so far
     cached_tokens: int = 0  # of prompt_tokens, how many were found in the prefix cache (not computed)
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
+    # Per prompt position, when asked for (SamplingParams.prompt_logprobs), in a request's first
+    # output only: None for position 0 (nothing predicts it), else the prompt token's logprob and
+    # the top N at that position.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None]:
+    """The scores collected for a prompt (scores[i] is of token i + 1), as RequestOutput gives them."""
+    out: list[TokenLogprob | None] = [None]
+    out += [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(prompt_token_ids[1:], scores, strict=False)]
+    return out

@@ -39,6 +39,8 @@ class SamplerParams(Protocol):
     def seed(self) -> int | None: ...
     @property
     def logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class Sampler:
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def prompt_logprobs(self, request_id: str) -> int:
+        """How many top logprobs each of the request's prompt tokens gets (0: its own only)."""
+        return self._requests[request_id].params.prompt_logprobs or 0
 
     def sample(self, request_ids: Sequence[str], logits: torch.Tensor) -> list[Sample]:
         """logits: [len(request_ids), vocab] float32."""

@@ -48,14 +48,19 @@ class StageRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[SeqChunk], hidden: torch.Tensor | None = None, all_logits: bool = False
+        self,
+        chunks: Sequence[SeqChunk],
+        hidden: torch.Tensor | None = None,
+        all_logits: bool = False,
+        prompt_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one micro-batch through this stage.
 
         First stage: reads `chunks[i].token_ids`; other stages: `hidden` [num_tokens, hidden_size]
         from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
-        or, on the last stage, float32 logits [num_sampled, vocab] for the chunks with `sample`, in order
-        (`all_logits`: [num_tokens, vocab], for prompt logprobs).
+        or, on the last stage, float32 logits [num_sampled + len(prompt_rows), vocab]: the last row
+        of each chunk with `sample`, in order, then `prompt_rows` (rows of the micro-batch, for
+        prompt logprobs); `all_logits`: every row, [num_tokens, vocab].
         """
         device = self.device
         md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows, self.gather_buffers)
@@ -77,4 +82,5 @@ class StageRunner:
             end += c.num_new
             if c.sample:
                 rows.append(end - 1)
+        rows += prompt_rows  # only requests that asked for prompt logprobs pay for these
         return self.model.compute_logits(h[torch.tensor(rows, dtype=torch.long, device=device)])

@@ -38,6 +38,7 @@ from ppserve.engine.cpu_affinity import pin_stage
 from ppserve.engine.gpu_clock import GpuClock, Span
 from ppserve.engine.kv_service import KvExporter, KvImporter
 from ppserve.engine.latency_profile import profile_points, run_profile
+from ppserve.engine.prompt_logprobs import last_stage_outputs, prompt_rows
 from ppserve.engine.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
@@ -51,6 +52,7 @@ from ppserve.transport.messages import (
     KvExport,
     KvForget,
     KvStatus,
+    PromptLogprobs,
     Reset,
     ResetDone,
     Sampled,
@@ -68,7 +70,8 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
-Output = tuple[StepPlan, list[Timing], "Span", "torch.Tensor | list[Sampled]"]
+Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
+Output = tuple[StepPlan, list[Timing], "Span", "torch.Tensor | Results"]
 QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
 
 
@@ -365,32 +368,23 @@ class StageWorker:
 
     def _execute(
         self, plan: StepPlan, hidden: torch.Tensor | None
-    ) -> tuple[torch.Tensor | list[Sampled], tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+    ) -> tuple[torch.Tensor | Results, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
         events around the layers' kernels (see Span)."""
         events = None
         if self._gpu_clock is not None:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        out = self.runner.execute(plan.chunks, hidden)
         if not self.last:
+            out = self.runner.execute(plan.chunks, hidden)
             if events is not None:
                 events[1].record()
             return out, events
-        # Released requests have nothing in flight any more; drop them first, since a new
-        # request in this very plan may reuse an id.
-        for rid in plan.released:
-            self.sampler.remove_request(rid)
-        for new in plan.new_requests:
-            self.sampler.add_request(new.request_id, new.params, new.output_token_ids)
-        ids = [c.request_id for c in plan.chunks if c.sample]
-        samples = [
-            Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
-            for rid, s in zip(ids, self.sampler.sample(ids, out), strict=True)
-        ]
+        logits = self.runner.execute(plan.chunks, hidden, prompt_rows=prompt_rows(plan))
+        results = last_stage_outputs(self.sampler, plan, logits)
         if events is not None:
             events[1].record()  # after sampling, which is part of this stage's time
-        return samples, events
+        return results, events
 
     async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:
         loop = asyncio.get_running_loop()
@@ -405,7 +399,8 @@ class StageWorker:
                 assert self.outbound is not None
                 await self.outbound.send(EdgeHeader(plan.mb_id, timings), out)
             else:
-                await self.inbox.send(StepResult(plan.mb_id, out, timings))
+                samples, prompt_logprobs = out
+                await self.inbox.send(StepResult(plan.mb_id, samples, timings, prompt_logprobs))
 
     async def _heartbeat(self) -> None:
         while True:

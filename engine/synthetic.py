@@ -47,7 +47,11 @@ class SyntheticRunner:
         self.tokens_computed = 0
 
     def execute(
-        self, chunks: Sequence[SeqChunk], hidden: torch.Tensor | None = None, all_logits: bool = False
+        self,
+        chunks: Sequence[SeqChunk],
+        hidden: torch.Tensor | None = None,
+        all_logits: bool = False,
+        prompt_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         time.sleep(synthetic_seconds(self.latency, chunks, self.share))
         rows = sum(c.num_new for c in chunks)
@@ -55,7 +59,7 @@ class SyntheticRunner:
         if not self.last:
             # hidden: [num_tokens, hidden_size], contents irrelevant; it still crosses the channel.
             return torch.zeros((rows, self.config.model_config.hidden_size), dtype=self.config.torch_dtype)
-        n = rows if all_logits else sum(1 for c in chunks if c.sample)
+        n = rows if all_logits else sum(1 for c in chunks if c.sample) + len(prompt_rows)
         logits = torch.zeros((n, self.config.model_config.vocab_size), dtype=torch.float32)
         logits[:, self.token] = 10.0
         return logits

@@ -11,6 +11,9 @@ from enum import StrEnum
 
 from ppserve.scheduler.sampling_params import SamplingParams
 
+# A prompt token's score: its logprob, and the top N (token id, logprob) at its position.
+TokenScore = tuple[float, list[tuple[int, float]]]
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop token (stop strings are matched on text, by the engine)
@@ -42,6 +45,9 @@ class Request:
     # computed once; and how many prompt tokens its first admission found cached (None before).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # Prompt logprobs collected so far: entry i scores prompt token i + 1. They survive
+    # preemption, so a recomputed prompt only scores the tokens still missing.
+    prompt_scores: list[TokenScore] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -65,6 +71,15 @@ class Request:
         if end <= len(prompt):
             return prompt[start:end]
         return prompt[start:] + self.output_token_ids[: end - len(prompt)]
+
+    def add_prompt_scores(self, start: int, logprobs: list[float], top: list[list[tuple[int, float]]]) -> None:
+        """Scores of prompt tokens from position `start` on; positions collected already are
+        skipped (a chunk computed again after a preemption). Chunks of one request come back in
+        order, so `start` never lies beyond the next position wanted."""
+        skip = len(self.prompt_scores) + 1 - start
+        if skip < 0:
+            raise ValueError(f"prompt logprobs of {self.request_id!r} from position {start} leave a gap")
+        self.prompt_scores += zip(logprobs[skip:], top[skip:], strict=True)
 
     @property
     def finished(self) -> bool:

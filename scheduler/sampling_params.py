@@ -26,6 +26,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # None = off; N = chosen token plus the top N (N <= 20)
+    # None = off; N = each prompt token's logprob plus the top N at its position (N <= 20). Such a
+    # request computes its whole prompt: it never starts from cached blocks, which have no logits.
+    prompt_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, matched on the host's text
     ignore_eos: bool = False
@@ -50,6 +53,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_TOP_LOGPROBS):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if not all(_int_in(t, 0, MAX_INT32) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -60,7 +67,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def wire(self) -> WireSamplingParams:
-        """What the last stage needs to sample (stopping is decided on the host)."""
+        """What the last stage needs to sample and score (stopping is decided on the host)."""
         return WireSamplingParams(
             temperature=float(self.temperature),
             top_k=self.top_k,
@@ -70,6 +77,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             seed=self.seed,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -24,6 +24,11 @@ arrive together with one system prompt take turns computing its chunks. A block 
 findable as soon as the plan that fills it is built: a later reader is in a later plan, which
 every stage runs after this one, or in the same plan, where each layer writes the batch's KV
 before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
+
+Prompt logprobs: a request that asks for them computes its whole prompt, since a cached prefix
+has no logits; it never starts from cached blocks (it still registers the blocks it fills, for
+others). Each of its chunks carries the prompt tokens its rows predict (`PromptTargets`), minus
+those scored already, so a request recomputed after a preemption scores every token once.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ppserve.scheduler.block_allocator import BlockAllocator, block_hash
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.request import FinishReason, Request
-from ppserve.transport.messages import NewRequest, Sampled, SeqChunk, StepPlan, StepResult
+from ppserve.transport.messages import NewRequest, PromptTargets, Sampled, SeqChunk, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ class Scheduler:
     def _cached_prefix(self, r: Request) -> list[int]:
         """The cached blocks r can start from; the last token is never among them, so that
         there is something to compute and sample from."""
-        if not self.allocator.enable_caching:
+        if not self.allocator.enable_caching or r.params.prompt_logprobs is not None:
             return []
         usable = (r.num_tokens - 1) // self.config.block_size
         self._hash_blocks(r, usable)
@@ -260,8 +265,8 @@ class Scheduler:
         bs = self.config.block_size
         done = len(r.block_table)
         usable = (r.num_tokens - 1) // bs
-        if r.num_scheduled_tokens != done * bs or usable <= done:
-            return  # mid-block (its next tokens go into a block of its own), or nothing to find
+        if r.num_scheduled_tokens != done * bs or usable <= done or r.params.prompt_logprobs is not None:
+            return  # mid-block (its next tokens go into a block of its own), nothing to find, or it needs logits
         self._hash_blocks(r, usable)
         hits = self.allocator.lookup(r.block_hashes[done:usable])
         if not hits:
@@ -303,9 +308,12 @@ class Scheduler:
     def _emit(self, items: list[tuple[Request, int]]) -> StepPlan:
         chunks: list[SeqChunk] = []
         new: list[NewRequest] = []
+        targets: list[PromptTargets] = []
         for r, n in items:
             start = r.num_scheduled_tokens
             sample = start + n == r.num_tokens
+            if r.params.prompt_logprobs is not None and (t := _prompt_targets(r, len(chunks), start, n)):
+                targets.append(t)
             chunks.append(SeqChunk(r.request_id, r.token_slice(start, start + n), start, list(r.block_table), sample))
             r.num_scheduled_tokens += n
             r.awaiting_sample = sample
@@ -316,7 +324,7 @@ class Scheduler:
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
         self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
-        plan = StepPlan(mb_id, chunks, new, self._released)
+        plan = StepPlan(mb_id, chunks, new, self._released, targets)
         self._released = []
         return plan
 
@@ -337,6 +345,9 @@ class Scheduler:
             r.inflight_plans -= 1
             if not r.finished:
                 r.num_computed_tokens += n
+        for p in result.prompt_logprobs:  # before the samples: they may finish the request
+            if (req := self.requests.get(p.request_id)) is not None and not req.finished:
+                req.add_prompt_scores(p.start, p.logprobs, p.top_logprobs)
         out: list[tuple[Request, Sampled]] = []
         for s in result.samples:
             req = self.requests.get(s.request_id)
@@ -408,3 +419,13 @@ class Scheduler:
             self._free(r)
         self.allocator.flush()
         return ended
+
+
+def _prompt_targets(r: Request, index: int, start: int, n: int) -> PromptTargets | None:
+    """What chunk `index` (r's tokens [start, start + n)) scores: the row at position p predicts
+    prompt token p + 1, wanted while p + 1 is in the prompt and not scored yet."""
+    first = max(start, len(r.prompt_scores))  # prompt_scores covers tokens 1 .. len
+    end = min(start + n, len(r.prompt_token_ids) - 1)
+    if first >= end:
+        return None
+    return PromptTargets(index, first - start, r.prompt_token_ids[first + 1 : end + 1])

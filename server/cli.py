@@ -28,6 +28,7 @@ from ppserve.server.listen import bind_http
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
     from ppserve.engine.config import EngineConfig
+    from ppserve.engine.outputs import TokenLogprob
     from ppserve.scheduler.sampling_params import SamplingParams
     from ppserve.server.app import ServerOptions
 
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top N logprobs (N <= 20)")
+    gen.add_argument(
+        "--prompt-logprobs", type=int, default=None, help="also return each prompt token's logprob and the top N"
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -316,6 +320,7 @@ def _generate(args: argparse.Namespace) -> None:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
@@ -359,18 +364,22 @@ async def _generate_all(
 
 async def _one(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams) -> dict[str, object]:
     text, token_ids, logprobs, reason = [], [], [], None
+    result: dict[str, object] = {}
     async for out in engine.generate(prompt_ids, params):
+        if out.prompt_logprobs is not None:
+            result["prompt_logprobs"] = [_logprob_dict(lp) if lp else None for lp in out.prompt_logprobs]
         text.append(out.text)
         token_ids += out.token_ids
-        logprobs += [
-            {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top_logprobs]}
-            for lp in out.logprobs or []
-        ]
+        logprobs += [_logprob_dict(lp) for lp in out.logprobs or []]
         reason = out.finish_reason
-    result: dict[str, object] = {"text": "".join(text), "token_ids": token_ids, "finish_reason": reason}
+    result = {"text": "".join(text), "token_ids": token_ids, "finish_reason": reason, **result}
     if params.logprobs is not None:
         result["logprobs"] = logprobs
     return result
+
+
+def _logprob_dict(lp: TokenLogprob) -> dict[str, object]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top_logprobs]}
 
 
 def _serve(args: argparse.Namespace) -> None:

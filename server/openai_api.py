@@ -22,7 +22,7 @@ from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens
 from ppserve.server.app import STATE, ServerState
-from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, decode
+from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest, decode
 from ppserve.server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
@@ -77,23 +77,43 @@ async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Bo
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state, body = await _read(request, CompletionRequest)
+    if body.prompt_logprobs is not None and state.config.disaggregation:
+        raise ApiError(
+            400, "echo with logprobs (prompt logprobs) is not supported with prefill/decode disaggregation", "echo"
+        )
     tokenizer = state.ready.tokenizer
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams: list[Stream] = []
     echoes: list[str] = []  # per choice: the prompt text when echo is on
+    prompt_ids: list[list[int]] = []  # per choice
     prompt_tokens = 0
     prompts = body.prompts()
+    # max_tokens 0 (echo only) runs as 1, since a prompt's last step samples anyway, and the
+    # token is dropped: the answer is the prompt, scored.
+    scoring = body.max_tokens == 0
+    requested = 1 if scoring else body.max_tokens
     # Before tokenizing anything: a request the queue can never hold is refused outright.
     state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     for prompt in prompts:
         ids = await state.encode(prompt)
-        params = body.sampling_params(state.max_tokens(ids, body.max_tokens, default=DEFAULT_MAX_TOKENS), body.logprobs)
+        max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
+        params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
         streams += _choices(state, ids, params, body.n, rid, len(streams))
         text = ""  # echo only: decoding a long token-id prompt is not free
         if body.echo:
             text = prompt if isinstance(prompt, str) else await tokens.decode(tokenizer, ids)
         echoes += [text] * body.n
+        prompt_ids += [ids] * body.n
         prompt_tokens += len(ids)
+
+    def logprobs(i: int, generated: list[TokenLogprob], offset: int, prompt: list[TokenLogprob | None] | None) -> Any:
+        if body.logprobs is None:
+            return None
+        out = _completion_logprobs(tokenizer, [] if scoring else generated, offset)
+        if prompt is None:
+            return out
+        echoed = _echo_logprobs(tokenizer, prompt_ids[i], prompt)
+        return {k: echoed[k] + v for k, v in out.items()}
 
     base = _header(state, rid, "text_completion")
     if not body.stream:
@@ -101,15 +121,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices = [
             {
                 "index": i,
-                "text": echoes[i] + r.text,
-                "logprobs": _completion_logprobs(tokenizer, r.logprobs, 0) if body.logprobs is not None else None,
-                "finish_reason": r.finish_reason,
+                "text": echoes[i] + ("" if scoring else r.text),
+                "logprobs": logprobs(i, r.logprobs, len(echoes[i]), r.prompt_logprobs),
+                "finish_reason": "length" if scoring else r.finish_reason,
             }
             for i, r in enumerate(results)
         ]
         cached = sum(r.cached_tokens for r in results[:: body.n])
-        usage = _usage(prompt_tokens, sum(r.completion_tokens for r in results), cached)
-        return web.json_response({**base, "choices": choices, "usage": usage})
+        completion_tokens = 0 if scoring else sum(r.completion_tokens for r in results)
+        return web.json_response(
+            {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+        )
 
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
@@ -118,14 +140,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         extra = {"usage": None} if body.include_usage else {}
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = _completion_logprobs(tokenizer, out.logprobs or [], offsets[i])
-                text, echoes[i] = echoes[i] + out.text, ""
-                offsets[i] += len(out.text)
-                completion_tokens += len(out.token_ids)
+                new_text = "" if scoring else out.text
+                text, echoes[i] = echoes[i] + new_text, ""
+                choice_logprobs = logprobs(i, out.logprobs or [], offsets[i], out.prompt_logprobs)
+                offsets[i] += len(new_text)
+                completion_tokens += 0 if scoring else len(out.token_ids)
                 cached[i] = out.cached_tokens
-                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                finish = "length" if scoring and out.finished else out.finish_reason
+                choice = {"index": i, "text": text, "logprobs": choice_logprobs, "finish_reason": finish}
                 yield {**base, "choices": [choice], **extra}
         if body.include_usage:
             yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]))}
@@ -147,6 +169,27 @@ def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], off
             {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top_logprobs} for lp in logprobs
         ],
         "text_offset": offsets,
+    }
+
+
+def _echo_logprobs(tokenizer: Tokenizer, ids: list[int], prompt: list[TokenLogprob | None]) -> dict[str, Any]:
+    """The prompt's part of an echo with logprobs, as vLLM gives it: the first token has no
+    logprob (null, and null top alternatives), and each top dict has the prompt's own token too."""
+    scored = _completion_logprobs(
+        tokenizer,
+        [
+            TokenLogprob(lp.token_id, lp.logprob, (*lp.top_logprobs, (lp.token_id, lp.logprob)))
+            for lp in prompt[1:]
+            if lp
+        ],
+        0,
+    )
+    first = tokenizer.decode(ids[:1], skip_special_tokens=False)
+    return {
+        "tokens": [first, *scored["tokens"]],
+        "token_logprobs": [None, *scored["token_logprobs"]],
+        "top_logprobs": [None, *scored["top_logprobs"]],
+        "text_offset": [0, *(o + len(first) for o in scored["text_offset"])],
     }
 
 

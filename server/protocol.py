@@ -30,12 +30,16 @@ TokenCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 # A limit the request may leave out: then the model's own default applies (ServerState.max_tokens),
 # or this one (OpenAI's for completions), or for chat the rest of the context.
 DEFAULT_MAX_TOKENS = 16
-MaxTokens = Annotated[
-    TokenCount | None,
-    msgspec.Meta(
-        description="default: the model's generation_config.json max_new_tokens if it has one, else "
-        f"{DEFAULT_MAX_TOKENS} (chat: the rest of the context); never more than the context leaves"
-    ),
+_MAX_TOKENS_DEFAULT = (
+    "default: the model's generation_config.json max_new_tokens if it has one, else "
+    f"{DEFAULT_MAX_TOKENS} (chat: the rest of the context); never more than the context leaves"
+)
+MaxTokens = Annotated[TokenCount | None, msgspec.Meta(description=_MAX_TOKENS_DEFAULT)]
+# /v1/completions also takes 0 with echo: the prompt is scored, nothing generated (as vLLM and
+# lm-evaluation-harness's `local-completions` use it).
+CompletionMaxTokens = Annotated[
+    Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] | None,
+    msgspec.Meta(description=f"{_MAX_TOKENS_DEFAULT}; 0 (with echo): only the prompt, with its logprobs if asked"),
 ]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -87,7 +91,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
             return SamplingParams(
@@ -100,6 +106,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 frequency_penalty=self.frequency_penalty,
                 seed=self.seed,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 stop_token_ids=tuple(self.stop_token_ids),
                 stop=tuple(stop),
                 ignore_eos=self.ignore_eos,
@@ -131,17 +138,21 @@ class _OpenAIRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by `prompts()`
-    max_tokens: MaxTokens = None
+    max_tokens: CompletionMaxTokens = None
     logprobs: NumLogprobs | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs too (its first token's is null)
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens 0 needs echo: true (then the prompt is returned, scored)", "max_tokens")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field's four OpenAI forms, as a list of text or token-id prompts."""

@@ -40,11 +40,13 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """OpenAI's legacy completions shape: parallel lists, one entry per generated token."""
+    """OpenAI's legacy completions shape: parallel lists, one entry per generated token; with
+    echo, the prompt's tokens come first (the first has null: nothing predicts it), and each of
+    their top dicts holds the prompt's own token too."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

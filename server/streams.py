@@ -36,8 +36,11 @@ class Collected:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (in the first output)
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []

@@ -55,3 +55,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def hf_log_softmax(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """transformers' float32 log-softmax at every prompt position, [len(prompt), vocab]: row i
+    scores the token at i + 1."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)

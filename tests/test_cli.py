@@ -40,6 +40,7 @@ def test_generate_json_matches_engine(llama_dir: Path) -> None:
     res = run_cli(
         "generate", "--model", str(llama_dir), "--pp-size", "2", "--prompt", prompt,
         "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--json", "--logprobs", "2",
+        "--prompt-logprobs", "1",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -51,6 +52,9 @@ def test_generate_json_matches_engine(llama_dir: Path) -> None:
     assert out["text"] == tok.decode(expected.token_ids)
     assert out["finish_reason"] == "length"
     assert len(out["logprobs"]) == 12 and len(out["logprobs"][0]["top_logprobs"]) == 2
+    first, *scored = out["prompt_logprobs"]
+    assert first is None and [lp["token_id"] for lp in scored] == tok.encode(prompt)[1:]
+    assert all(len(lp["top_logprobs"]) == 1 and lp["logprob"] <= lp["top_logprobs"][0][1] for lp in scored)
 
 
 def test_generate_input_ids_seeded_is_reproducible(llama_dir: Path) -> None:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -49,6 +49,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
     frequency_penalty: float
     seed: int | None
     logprobs: int | None
+    prompt_logprobs: int | None = None  # top N scored at each prompt position (see PromptTargets)
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -60,6 +61,17 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     output_token_ids: list[int] = []
 
 
+class PromptTargets(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt logprobs the last stage computes for one chunk of a plan: the logits row of the
+    chunk's token at `first + j` predicts `token_ids[j]` (the prompt token after it, which for
+    the chunk's last row is the first token of the next chunk: the host knows it, so the last
+    stage keeps no state between chunks)."""
+
+    chunk: int  # index in StepPlan.chunks
+    first: int  # the chunk's first row to score (rows before it are scored already, or position 0)
+    token_ids: list[int]
+
+
 class StepPlan(Msg, frozen=True):
     """One micro-batch, sent to every stage; stages execute plans strictly in order."""
 
@@ -67,6 +79,7 @@ class StepPlan(Msg, frozen=True):
     chunks: list[SeqChunk]
     new_requests: list[NewRequest] = []  # sampling state to create on the last stage
     released: list[str] = []  # requests whose sampling state the last stage can drop
+    prompt_targets: list[PromptTargets] = []  # only for requests that asked for prompt logprobs
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):
@@ -83,12 +96,25 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[tuple[int, float]] = []
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of one request's prompt tokens at positions [start, start + len(logprobs)), from
+    one chunk (start >= 1: nothing predicts the first token). At most MAX_TOP_LOGPROBS pairs per
+    token, so a result grows with the chunk, never with the whole prompt."""
+
+    request_id: str
+    start: int
+    logprobs: list[float]  # of the prompt's own token at each position
+    top_logprobs: list[list[tuple[int, float]]]  # per position: (token id, logprob), best first
+
+
 class StepResult(Msg, frozen=True):
-    """From the last stage: what each sampling chunk produced, and every stage's compute time."""
+    """From the last stage: what each sampling chunk produced, prompt logprobs where asked for,
+    and every stage's compute time."""
 
     mb_id: int
     samples: list[Sampled]
     timings: list[Timing]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class StageReady(Msg, frozen=True):

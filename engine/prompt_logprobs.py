@@ -1,0 +1,69 @@
+"""The last stage's work on a plan: sampling, and prompt logprobs where a plan asks for them.
+
+Prompt logprobs are computed chunk by chunk, like any prefill: in a chunk covering positions
+[s, s + n), logits row j predicts the token at s + j + 1. The plan's `PromptTargets` name those
+tokens (the host holds every prompt), so the last stage needs no state between chunks and a
+replaced last stage scores on as if nothing happened. Only the rows of chunks that asked get
+logits; every other row of the micro-batch costs what it always did.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ppserve.engine.sampler import Sampler
+from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan
+
+
+def prompt_rows(plan: StepPlan) -> list[int]:
+    """Rows of the micro-batch (tokens in chunk order) whose logits score prompt tokens, in the
+    order of `plan.prompt_targets`."""
+    if not plan.prompt_targets:
+        return []
+    offsets = list(itertools.accumulate((c.num_new for c in plan.chunks), initial=0))
+    return [offsets[t.chunk] + t.first + j for t in plan.prompt_targets for j in range(len(t.token_ids))]
+
+
+def last_stage_outputs(
+    sampler: Sampler, plan: StepPlan, logits: torch.Tensor
+) -> tuple[list[Sampled], list[PromptLogprobs]]:
+    """logits: float32 [num_sampled + len(prompt_rows(plan)), vocab], as `StageRunner.execute`
+    returns them given `prompt_rows(plan)`: one row per sampling chunk, then the prompt rows."""
+    # Released requests have nothing in flight any more; drop them first, since a new
+    # request in this very plan may reuse an id.
+    for rid in plan.released:
+        sampler.remove_request(rid)
+    for new in plan.new_requests:
+        sampler.add_request(new.request_id, new.params, new.output_token_ids)
+    ids = [c.request_id for c in plan.chunks if c.sample]
+    sampled = logits[: len(ids)] if plan.prompt_targets else logits
+    samples = [
+        Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
+        for rid, s in zip(ids, sampler.sample(ids, sampled), strict=True)
+    ]
+    if not plan.prompt_targets:
+        return samples, []
+    return samples, score_prompts(sampler, plan, logits[len(ids) :])
+
+
+def score_prompts(sampler: Sampler, plan: StepPlan, logits: torch.Tensor) -> list[PromptLogprobs]:
+    """logits: float32 [len(prompt_rows(plan)), vocab]. Logprobs are of the raw model
+    distribution (as for sampled tokens: no penalties, no temperature), in float32."""
+    out: list[PromptLogprobs] = []
+    row = 0
+    for t in plan.prompt_targets:
+        chunk = plan.chunks[t.chunk]
+        n = len(t.token_ids)
+        logprobs = torch.log_softmax(logits[row : row + n].float(), dim=-1)  # [n, vocab]
+        row += n
+        targets = torch.tensor(t.token_ids, dtype=torch.long, device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top_n = sampler.prompt_logprobs(chunk.request_id)
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        if top_n:
+            values, token_ids = logprobs.topk(top_n, dim=-1)
+            top = [list(zip(i, v, strict=True)) for i, v in zip(token_ids.tolist(), values.tolist(), strict=True)]
+        out.append(PromptLogprobs(chunk.request_id, chunk.start + t.first + 1, chosen, top))
+    return out
