@@ -65,12 +65,11 @@ def server(model: Path, pp_size: int, extra: list[str]) -> Iterator[str]:
         proc.wait(60)
 
 
-def server_logprobs(url: str, ids: list[int]) -> list[float]:
+def server_logprobs(url: str, ids: list[int], api_key: str | None = None) -> list[float]:
     """Log-probabilities of ids[1:] given what precedes each, from the server."""
     body = {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0, "temperature": 0}
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=600) as resp:
         choice = json.loads(resp.read())["choices"][0]
     scores: list[float | None] = choice["logprobs"]["token_logprobs"]
@@ -79,16 +78,17 @@ def server_logprobs(url: str, ids: list[int]) -> list[float]:
     return [float(s) for s in scores[1:] if s is not None]
 
 
-def reference_logprobs(model: Path, ids: list[int]) -> list[float]:
-    """The same from transformers (float32)."""
+def reference_logprobs(model: Path, ids: list[int], hf: Any = None) -> list[float]:
+    """The same from transformers (float32), loaded here unless given."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
-    if model.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, **kwargs)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
+    if hf is None:
+        kwargs: dict[str, Any] = {"dtype": torch.float32}
+        if model.suffix == ".gguf":
+            hf = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, **kwargs)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, :-1].float()
     scores = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
@@ -103,6 +103,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the demo model)")
     p.add_argument("--url", default=None, help="score through this running server (serving --model) instead")
+    p.add_argument("--api-key", default=None, help="the --url server's API key")
     p.add_argument("--pp-size", type=int, default=2)
     p.add_argument("--chunked-prefill-size", type=int, default=128, help="so that the text spans several chunks")
     p.add_argument("--text", default=str(TEXT))
@@ -118,7 +119,7 @@ def main() -> int:
     tokenizer = Tokenizer(EngineConfig.create(model, num_kv_blocks=1).model)  # a GGUF's prepared directory
     ids = tokenizer.encode(Path(args.text).read_text())
     if args.url:
-        ours = server_logprobs(args.url, ids)
+        ours = server_logprobs(args.url, ids, args.api_key)
     else:
         with server(model, args.pp_size, ["--chunked-prefill-size", str(args.chunked_prefill_size)]) as url:
             ours = server_logprobs(url, ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,8 +18,11 @@ from typing import Any
 import openai
 import pytest
 import torch
-from live_server import LiveServer
+from live_server import ROOT, LiveServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import eval_perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +150,37 @@ def test_bfloat16_agrees_up_to_ties(smollm2_gguf: Path, reference: Reference) ->
         scale = max(1.0, step.abs().max().item())
         gap = (step[theirs[i]] - step[ours[i]]).item()
         assert gap <= BF16_TOL * scale, f"token {i}: {ours[i]} instead of {theirs[i]}, {gap:.4f} below it"
+
+
+def _prompt_scores(server: LiveServer, ids: list[int], top: int) -> dict[str, Any]:
+    body = {"prompt": ids, "echo": True, "logprobs": top, "max_tokens": 0}
+    code, _, raw = server.request("POST", "/v1/completions", body)
+    assert code == 200, raw
+    out: dict[str, Any] = json.loads(raw)
+    return out
+
+
+def test_prompt_logprobs_equal_transformers(server: LiveServer, reference: Reference, smollm2_gguf: Path) -> None:
+    """Scoring a text (echo + logprobs, max_tokens 0): transformers' log-softmax within 1e-4, for a
+    text seen for the first time and for one whose prefix the cache holds (a scoring request
+    recomputes it); and the perplexity that scripts/eval_perplexity.py reports within 1e-3."""
+    text = eval_perplexity.TEXT.read_text()
+    ids = reference.tokenizer.encode(text, add_special_tokens=False)
+    variant = ids[: len(ids) // 2] + reference.tokenizer.encode(" The end of the story.", add_special_tokens=False)
+    _generate(server, variant[: len(ids) // 2 + 3], max_tokens=1)  # caches the shared prefix
+    for prompt in (ids, variant):
+        out = _prompt_scores(server, prompt, 3)
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        scores = out["choices"][0]["logprobs"]
+        with torch.no_grad():
+            expected = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        assert scores["token_logprobs"][0] is None and cached == 0
+        got = torch.tensor(scores["token_logprobs"][1:])
+        want = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert (got - want).abs().max().item() <= 1e-4
+        tops = [sorted(d.values(), reverse=True)[:3] for d in scores["top_logprobs"][1:]]
+        assert (torch.tensor(tops) - expected.topk(3).values).abs().max().item() <= 1e-4
+    ours = eval_perplexity.server_logprobs(server.url, ids, server.api_key)
+    theirs = eval_perplexity.reference_logprobs(smollm2_gguf, ids, reference.model)
+    ppl_ours, ppl_theirs = eval_perplexity.perplexity(ours), eval_perplexity.perplexity(theirs)
+    assert abs(ppl_ours - ppl_theirs) <= 1e-3 * ppl_theirs, (ppl_ours, ppl_theirs)
