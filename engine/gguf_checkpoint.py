@@ -20,9 +20,10 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from ppserve.engine.file_hash import file_sha256
 from ppserve.engine.model_config import ConfigError
 
 INFO_FILE = "gguf.json"
+PREPARED_VERSION = "v1"  # bump when what prepare_gguf or read_gguf_tensors writes changes
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,7 +58,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # general.file_type; quantized ones: float32
+# general.file_type -> the checkpoint's dtype, which --dtype auto takes on GPUs (CPUs run float32).
+_CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # the quantized types: bfloat16
 
 
 def is_gguf_file(model: str | Path) -> bool:
@@ -71,7 +74,7 @@ def prepare_gguf(path: str | Path) -> Path:
     """The prepared directory of the GGUF file `path`, written on first use (see the module doc)."""
     path = Path(path).resolve()
     sha = file_sha256(path)
-    out = cache_dir() / "gguf" / f"{path.stem}-{sha[:16]}"
+    out = cache_dir() / "gguf" / f"{path.stem}-{sha[:16]}-{PREPARED_VERSION}"
     if (out / INFO_FILE).is_file():
         _point_at(out, path)  # the same bytes may have moved since
         return out
@@ -98,9 +101,12 @@ def gguf_sha256(model_dir: str | Path) -> str:
     return str(_info(Path(model_dir))["sha256"])
 
 
-def read_gguf_tensors(model_dir: str | Path, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors `names` (engine names) in `dtype`, from the per-layer cache, else dequantized from
-    the GGUF file (and cached: every tensor of each layer touched)."""
+def read_gguf_tensors(
+    model_dir: str | Path, names: Iterable[str], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the tensors `names` (engine names) in `dtype`, layer by layer: from the
+    per-layer cache, else dequantized from the GGUF file (and cached, best effort: every tensor of
+    each layer touched)."""
     model_dir = Path(model_dir)
     info = _info(model_dir)
     table: dict[str, list[Any]] = info["tensors"]
@@ -109,12 +115,11 @@ def read_gguf_tensors(model_dir: str | Path, names: Iterable[str], dtype: torch.
         wanted[_shard_of(name)].append(name)
     shard_dir = model_dir / str(dtype).removeprefix("torch.")
     source: np.memmap | None = None
-    out: dict[str, torch.Tensor] = {}
     for shard, shard_names in sorted(wanted.items()):
         path = shard_dir / f"{shard}.safetensors"
         if path.is_file():
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                out.update({name: f.get_tensor(name) for name in shard_names})
+                yield from ((name, f.get_tensor(name)) for name in shard_names)
             continue
         if source is None:
             todo = sum(not (shard_dir / f"{name}.safetensors").is_file() for name in wanted)
@@ -123,13 +128,23 @@ def read_gguf_tensors(model_dir: str | Path, names: Iterable[str], dtype: torch.
                 flush=True,
             )
             source = _map_source(info)
-        tensors = {name: _dequantize(source, name, table[name], dtype) for name in table if _shard_of(name) == shard}
-        shard_dir.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tensors = {name: _dequantize(source, table[name], dtype) for name in table if _shard_of(name) == shard}
+        _save_shard(tensors, path)
+        yield from ((name, tensors[name]) for name in shard_names)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Whole or absent, even with two stages converting the same shard; a cache that cannot be
+    written (a full disk) only costs the next start the conversion again."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(exist_ok=True)
         save_file(tensors, str(tmp))
-        os.replace(tmp, path)  # whole or absent, even with two stages converting the same shard
-        out.update({name: tensors[name] for name in shard_names})
-    return out
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"ppserve: warning: cannot cache {path.name} in {path.parent}: {e}", file=sys.stderr, flush=True)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _shard_of(name: str) -> str:
@@ -169,8 +184,22 @@ def _write_prepared(path: Path, sha: str, out: Path) -> None:
         raise ConfigError(f"{path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     if "tokenizer.ggml.model" not in fields or "tokenizer.ggml.tokens" not in fields:
         raise ConfigError(f"{path.name}: the GGUF has no tokenizer (tokenizer.ggml.model and tokens)")
-    config = _hf_config(get, arch, {t.name for t in reader.tensors}, path.name)
-    config["vocab_size"] = get(f"{arch}.vocab_size", len(fields["tokenizer.ggml.tokens"].data))
+    if int(get("split.count", 1)) > 1:
+        raise ConfigError(
+            f"{path.name} is one part of a split GGUF; merge the parts first (llama.cpp's gguf-split --merge)"
+        )
+    names = {t.name for t in reader.tensors}
+    try:
+        config = _hf_config(get, arch, names, path.name)
+    except (TypeError, ValueError) as e:  # a key of the wrong type, e.g. a per-layer array
+        raise ConfigError(f"{path.name}: GGUF metadata not understood: {e}") from None
+    kinds = [k for k in _LAYER_NAMES if arch == "qwen3" or k not in ("attn_q_norm", "attn_k_norm")]
+    layers = range(config["num_hidden_layers"])
+    required = ["token_embd.weight", "output_norm.weight", *(f"blk.{i}.{k}.weight" for i in layers for k in kinds)]
+    if missing := [n for n in required if n not in names]:
+        raise ConfigError(f"{path.name} is missing tensor(s): {', '.join(missing[:5])}")
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    config["vocab_size"] = int(embedding.shape[-1])  # rows of the embedding (GGUF lists them last)
     eos = [get("tokenizer.ggml.eos_token_id", -1), get("tokenizer.ggml.eot_token_id", -1)]
     generation = {"eos_token_id": sorted({int(t) for t in eos if t >= 0})}
     table = _tensor_table(reader, path, arch, config)
@@ -208,7 +237,7 @@ def _hf_config(get: Any, arch: str, tensor_names: set[str], file: str) -> dict[s
         "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "dtype": _CHECKPOINT_DTYPES.get(int(get("general.file_type", 0)), "float32"),
+        "dtype": _CHECKPOINT_DTYPES.get(int(get("general.file_type", 0)), "bfloat16"),
     }
     scaling = get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
@@ -259,14 +288,17 @@ def _save_tokenizer(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def _dequantize(source: np.memmap, name: str, entry: list[Any], dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(source: np.memmap, entry: list[Any], dtype: torch.dtype) -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quant_shape_to_byte_shape
 
     type_name, shape, offset, nbytes, heads = entry
     qtype = GGMLQuantizationType[type_name]
     raw = source[offset : offset + nbytes].reshape(quant_shape_to_byte_shape(shape, qtype))
-    values = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32)).reshape(shape)
+    array = np.asarray(dequantize(raw, qtype), dtype=np.float32)
+    if not array.flags.writeable:  # F32 comes back as a view of the read-only map
+        array = array.copy()
+    values = torch.from_numpy(array).reshape(shape)
     if heads:
         values = _unpermute(values, heads)
     return values.to(dtype).contiguous()

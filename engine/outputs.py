@@ -32,8 +32,11 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None]:
-    """The scores collected for a prompt (scores[i] is of token i + 1), as RequestOutput gives them."""
+def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None] | None:
+    """The scores collected for a prompt (scores[i] is of token i + 1), as RequestOutput gives them;
+    None while some are missing (an aborted request's first output), rather than a silent part."""
+    if len(scores) != len(prompt_token_ids) - 1:
+        return None
     out: list[TokenLogprob | None] = [None]
-    out += [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(prompt_token_ids[1:], scores, strict=False)]
+    out += [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(prompt_token_ids[1:], scores, strict=True)]
     return out

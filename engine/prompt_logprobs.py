@@ -16,6 +16,8 @@ import torch
 from ppserve.engine.sampler import Sampler
 from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan
 
+SLICE_ROWS = 64  # rows scored at a time
+
 
 def prompt_rows(plan: StepPlan) -> list[int]:
     """Rows of the micro-batch (tokens in chunk order) whose logits score prompt tokens, in the
@@ -55,15 +57,19 @@ def score_prompts(sampler: Sampler, plan: StepPlan, logits: torch.Tensor) -> lis
     row = 0
     for t in plan.prompt_targets:
         chunk = plan.chunks[t.chunk]
-        n = len(t.token_ids)
-        logprobs = torch.log_softmax(logits[row : row + n].float(), dim=-1)  # [n, vocab]
-        row += n
-        targets = torch.tensor(t.token_ids, dtype=torch.long, device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         top_n = sampler.prompt_logprobs(chunk.request_id)
-        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        if top_n:
-            values, token_ids = logprobs.topk(top_n, dim=-1)
-            top = [list(zip(i, v, strict=True)) for i, v in zip(token_ids.tolist(), values.tolist(), strict=True)]
+        chosen: list[float] = []
+        top: list[list[tuple[int, float]]] = []
+        for lo in range(0, len(t.token_ids), SLICE_ROWS):  # bounded [rows, vocab] temporaries
+            ids = t.token_ids[lo : lo + SLICE_ROWS]
+            logprobs = torch.log_softmax(logits[row : row + len(ids)].float(), dim=-1)  # [rows, vocab]
+            row += len(ids)
+            targets = torch.tensor(ids, dtype=torch.long, device=logprobs.device)
+            chosen += logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            if top_n:
+                values, token_ids = logprobs.topk(top_n, dim=-1)
+                top += [list(zip(i, v, strict=True)) for i, v in zip(token_ids.tolist(), values.tolist(), strict=True)]
+            else:
+                top += [[] for _ in ids]
         out.append(PromptLogprobs(chunk.request_id, chunk.start + t.first + 1, chosen, top))
     return out

@@ -7,7 +7,7 @@ import json
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -64,12 +64,10 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConfigError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
-    if gguf:
-        tensors = read_gguf_tensors(model_dir, sources, dtype)
-    else:  # read in `dtype` one by one, so that a stage never holds two copies of its weights
-        tensors = _read_safetensors(model_dir, where, sources, dtype)
-    for src, names in sources.items():
-        tensor = tensors[src]
+    # One tensor at a time, straight to the device: the host never holds a stage's weights twice.
+    tensors = read_gguf_tensors(model_dir, sources, dtype) if gguf else _read_safetensors(model_dir, where, sources)
+    for src, tensor in tensors:
+        names = sources[src]
         for name in names:
             expected = tuple(wanted[name].shape)
             if tuple(tensor.shape) != expected:
@@ -81,17 +79,15 @@ def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dt
 
 
 def _read_safetensors(
-    model_dir: Path, where: dict[str, str], names: Iterable[str], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    model_dir: Path, where: dict[str, str], names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_file[where[name]].append(name)
-    loaded: dict[str, torch.Tensor] = {}
     files = sorted(by_file)
     # tqdm's default lock is a multiprocessing semaphore, which a stage process would leak at
     # exit; a thread lock is all one process needs.
     tqdm.set_lock(threading.RLock())
     for file in tqdm(files, desc="loading shards", disable=len(files) < 2, file=sys.stderr):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
-            loaded.update({name: f.get_tensor(name).to(dtype) for name in by_file[file]})
-    return loaded
+            yield from ((name, f.get_tensor(name)) for name in by_file[file])

@@ -43,6 +43,8 @@ from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.transport.messages import NewRequest, PromptTargets, Sampled, SeqChunk, StepPlan, StepResult
 
+PROMPT_SCORE_CHUNK = 256  # most prompt tokens of a request scored per micro-batch (bounds the logits)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -214,6 +216,9 @@ class Scheduler:
         remaining = r.num_tokens - start
         if remaining <= 1:
             return remaining
+        if r.params.prompt_logprobs is not None and start < len(r.prompt_token_ids):
+            # Each row of a scored chunk brings a [vocab] row of float32 logits to the last stage.
+            return min(self.chunker.next_chunk(start, remaining), PROMPT_SCORE_CHUNK)
         return self.chunker.next_chunk(start, remaining)
 
     def _take(self, r: Request, n: int, items: list[tuple[Request, int]]) -> int:

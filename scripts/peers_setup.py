@@ -79,7 +79,7 @@ def smollm2_hf_dir() -> Path:
         for f in prepared.iterdir():
             if f.is_file() and f.name != "gguf.json":
                 shutil.copy(f, out / f.name)
-        tensors = read_gguf_tensors(prepared, gguf_tensor_names(prepared), torch.float32)
+        tensors = dict(read_gguf_tensors(prepared, gguf_tensor_names(prepared), torch.float32))
         save_file(tensors, str(out / ".model.safetensors"))
         (out / ".model.safetensors").rename(out / "model.safetensors")
     return out

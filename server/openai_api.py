@@ -28,6 +28,11 @@ from ppserve.server.streams import Stream, collect, merge, sse_response
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
 
 
+# Most logprobs one echo may return (prompt tokens x (logprobs + 1) x n): each is a few hundred
+# bytes of JSON, and the host holds them all until the answer is written.
+MAX_SCORED_ENTRIES = 1 << 20
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -96,6 +101,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     for prompt in prompts:
         ids = await state.encode(prompt)
+        if body.prompt_logprobs is not None and len(ids) * (body.prompt_logprobs + 1) * body.n > MAX_SCORED_ENTRIES:
+            raise ApiError(
+                400,
+                f"echo with logprobs {body.prompt_logprobs} on a {len(ids)}-token prompt (n={body.n}) would "
+                f"return more than {MAX_SCORED_ENTRIES} logprobs; lower logprobs or n, or shorten the prompt",
+                "logprobs",
+            )
         max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
         params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
         streams += _choices(state, ids, params, body.n, rid, len(streams))
@@ -106,23 +118,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids += [ids] * body.n
         prompt_tokens += len(ids)
 
-    def logprobs(i: int, generated: list[TokenLogprob], offset: int, prompt: list[TokenLogprob | None] | None) -> Any:
+    async def echoed(i: int, prompt: list[TokenLogprob | None] | None) -> dict[str, Any] | None:
+        """The prompt's part of choice i's logprobs (decoding a long prompt's tokens: off the loop)."""
+        if prompt is None or body.logprobs is None:
+            return None
+        return await tokens.off_loop(len(prompt) > 256, _echo_logprobs, tokenizer, prompt_ids[i], prompt)
+
+    def logprobs(generated: list[TokenLogprob], offset: int, prompt: dict[str, Any] | None) -> Any:
         if body.logprobs is None:
             return None
         out = _completion_logprobs(tokenizer, [] if scoring else generated, offset)
-        if prompt is None:
-            return out
-        echoed = _echo_logprobs(tokenizer, prompt_ids[i], prompt)
-        return {k: echoed[k] + v for k, v in out.items()}
+        return out if prompt is None else {k: prompt[k] + v for k, v in out.items()}
 
     base = _header(state, rid, "text_completion")
     if not body.stream:
         results = await collect(streams)
+        prompt_parts = [await echoed(i, r.prompt_logprobs) for i, r in enumerate(results)]
         choices = [
             {
                 "index": i,
                 "text": echoes[i] + ("" if scoring else r.text),
-                "logprobs": logprobs(i, r.logprobs, len(echoes[i]), r.prompt_logprobs),
+                "logprobs": logprobs(r.logprobs, len(echoes[i]), prompt_parts[i]),
                 "finish_reason": "length" if scoring else r.finish_reason,
             }
             for i, r in enumerate(results)
@@ -142,7 +158,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             async for i, out in outputs:
                 new_text = "" if scoring else out.text
                 text, echoes[i] = echoes[i] + new_text, ""
-                choice_logprobs = logprobs(i, out.logprobs or [], offsets[i], out.prompt_logprobs)
+                choice_logprobs = logprobs(out.logprobs or [], offsets[i], await echoed(i, out.prompt_logprobs))
                 offsets[i] += len(new_text)
                 completion_tokens += 0 if scoring else len(out.token_ids)
                 cached[i] = out.cached_tokens
@@ -157,17 +173,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    ids = {lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top_logprobs}
+    text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}  # each token decoded once
     tokens, offsets = [], []
     for lp in logprobs:
-        tokens.append(tokenizer.decode([lp.token_id], skip_special_tokens=False))
+        tokens.append(text[lp.token_id])
         offsets.append(offset)
         offset += len(tokens[-1])
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [
-            {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top_logprobs} for lp in logprobs
-        ],
+        "top_logprobs": [{text[t]: v for t, v in lp.top_logprobs} for lp in logprobs],
         "text_offset": offsets,
     }
 

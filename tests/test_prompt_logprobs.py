@@ -19,7 +19,7 @@ from ppserve.engine.local_pipeline import LocalPipeline
 from ppserve.engine.outputs import TokenLogprob
 from ppserve.scheduler.request import Request, TokenScore
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from ppserve.scheduler.scheduler import PROMPT_SCORE_CHUNK, Scheduler, SchedulerConfig
 from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan, StepResult
 
 BLOCK = 8
@@ -173,6 +173,18 @@ def test_the_scheduler_gives_a_scored_request_no_cached_blocks() -> None:
     run(Request("e", prompt, SCORED))  # alone in a flushed cache: the blocks it fills are findable
     run(late := Request("f", prompt[:20] + [99] * 5, PLAIN))
     assert late.num_cached_tokens == 20
+
+
+def test_scored_prompt_chunks_are_bounded() -> None:
+    """A scored prompt goes in chunks of at most PROMPT_SCORE_CHUNK tokens (each row brings a
+    [vocab] row of float32 logits to the last stage), whatever the chunked-prefill size; a plain
+    prompt keeps the configured size."""
+    s = Scheduler(SchedulerConfig(num_blocks=256, block_size=16, pp_size=1, async_depth=0, chunked_prefill_size=1024))
+    s.add(Request("scored", list(range(700)), SCORED))
+    s.add(Request("plain", list(range(700)), PLAIN))
+    plan = s.schedule()
+    assert plan is not None
+    assert [(c.request_id, c.num_new) for c in plan.chunks] == [("scored", PROMPT_SCORE_CHUNK), ("plain", 700)]
 
 
 def test_only_scored_chunks_get_full_logits(llama_dir: Path) -> None:

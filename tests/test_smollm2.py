@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -184,3 +185,12 @@ def test_prompt_logprobs_equal_transformers(server: LiveServer, reference: Refer
     theirs = eval_perplexity.reference_logprobs(smollm2_gguf, ids, reference.model)
     ppl_ours, ppl_theirs = eval_perplexity.perplexity(ours), eval_perplexity.perplexity(theirs)
     assert abs(ppl_ours - ppl_theirs) <= 1e-3 * ppl_theirs, (ppl_ours, ppl_theirs)
+
+
+def test_generate_without_a_model_chats_with_the_demo(smollm2_gguf: Path) -> None:
+    """`ppserve generate` with no --model: the demo model (here found in the cache directory)."""
+    cmd = [sys.executable, "-m", "ppserve.server.cli", "generate", "--chat", "--temperature", "0"]
+    cmd += ["--prompt", "What is the capital of France?", "--max-tokens", "16", "--pp-size", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout, res.stdout
