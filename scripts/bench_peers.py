@@ -304,6 +304,8 @@ def environment() -> dict[str, Any]:
     mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     machine = {"cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "platform": platform.platform()}
     versions = {"ppserve": importlib.metadata.version("ppserve"), "python": platform.python_version()}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    versions["ppserve_commit"] = commit
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         code = "import torch, vllm; print(vllm.__version__, torch.__version__)"
         out = subprocess.check_output([str(PEERS_PY), "-c", code], text=True)
