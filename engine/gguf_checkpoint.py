@@ -78,7 +78,7 @@ def prepare_gguf(path: str | Path) -> Path:
     if (out / INFO_FILE).is_file():
         _point_at(out, path)  # the same bytes may have moved since
         return out
-    print(f"ppserve: preparing {path.name} (once: config, tokenizer and tensor table)", flush=True)
+    print(f"ppserve: preparing {path.name} (once: config, tokenizer and tensor table)", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -125,6 +125,7 @@ def read_gguf_tensors(
             todo = sum(not (shard_dir / f"{name}.safetensors").is_file() for name in wanted)
             print(
                 f"ppserve: dequantizing {todo} layer group(s) of {Path(info['source']).name} to {dtype} (once)",
+                file=sys.stderr,
                 flush=True,
             )
             source = _map_source(info)

