@@ -18,51 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
-import subprocess
 import sys
-import threading
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_serving  # noqa: E402  (its `served`: ppserve serve on a free port)
+
 TEXT = ROOT / "benchmarks" / "data" / "perplexity.txt"
-
-
-@contextmanager
-def server(model: Path, pp_size: int, extra: list[str]) -> Iterator[str]:
-    """`ppserve serve` on a free loopback port; yields its URL."""
-    cmd = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(model), "--port", "0"]
-    proc = subprocess.Popen(
-        [*cmd, "--pp-size", str(pp_size), "--kv-cache-gb", "0.1", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if m := re.search(r"serving .* at (http://\S+)", line):
-            url = m.group(1)
-            break
-    else:
-        raise RuntimeError("the server did not start:\n" + "".join(lines))
-    stdout = proc.stdout
-
-    def drain() -> None:  # keep reading its output, so that it never blocks on a full pipe
-        for _ in stdout:
-            pass
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def server_logprobs(url: str, ids: list[int], api_key: str | None = None) -> list[float]:
@@ -121,7 +87,11 @@ def main() -> int:
     if args.url:
         ours = server_logprobs(args.url, ids, args.api_key)
     else:
-        with server(model, args.pp_size, ["--chunked-prefill-size", str(args.chunked_prefill_size)]) as url:
+        chunk = args.chunked_prefill_size
+        settings = argparse.Namespace(
+            pp_size=args.pp_size, kv_cache_gb=0.1, max_running_requests=8, chunked_prefill_size=chunk
+        )
+        with bench_serving.served(settings, model) as (url, _):
             ours = server_logprobs(url, ids)
     result: dict[str, Any] = {"tokens": len(ids), "ppserve": perplexity(ours)}
     if not args.no_reference:
