@@ -61,7 +61,8 @@ class EngineConfig:
     disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
     disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg.py)
     disagg_transfer_timeout_s: float = 30.0
-    disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets, if any
+    disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets
+    disagg_insecure: bool = False  # no secret: anyone who reaches the pair's sockets can drive them
 
     @classmethod
     def create(
@@ -99,6 +100,7 @@ class EngineConfig:
         disagg_bootstrap_timeout_s: float = 30.0,
         disagg_transfer_timeout_s: float = 30.0,
         disagg_key: bytes | None = None,
+        disagg_insecure: bool = False,
     ) -> EngineConfig:
         if is_gguf_file(model):  # from here on, the prepared directory stands for the file
             model = prepare_gguf(model)
@@ -180,6 +182,13 @@ class EngineConfig:
         ):
             if not (math.isfinite(seconds) and seconds > 0):
                 raise ConfigError(f"the {name} must be a positive number of seconds, got {seconds}")
+        if disaggregation and disagg_key is None and not disagg_insecure:
+            raise ConfigError(
+                "prefill/decode disaggregation needs a shared secret on both sides and the router: "
+                "--cluster-key-file PATH or env PPSERVE_CLUSTER_KEY (or --insecure-cluster on a network you trust)"
+            )
+        if disagg_key is not None and disagg_insecure:
+            raise ConfigError("--insecure-cluster and a cluster key exclude each other")
         if gpu_ids and device != "cuda":
             raise ConfigError("--gpu-ids needs --device cuda")
         if cluster is not None and len(cluster.stage_nodes) != pp_size:
@@ -231,6 +240,7 @@ class EngineConfig:
             disagg_bootstrap_timeout_s=disagg_bootstrap_timeout_s,
             disagg_transfer_timeout_s=disagg_transfer_timeout_s,
             disagg_key=disagg_key,
+            disagg_insecure=disagg_insecure,
         )
 
     @property

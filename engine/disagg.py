@@ -11,7 +11,14 @@
 
 Every decision about a room is the prefill host's (scheduler/bootstrap.py) or, for its own half,
 the decode host's; a failure or timeout on either side ends the room on both with the error
-(side, stage, state) and frees its KV on both. Nothing a peer sends can crash either host.
+(side, stage, state) and frees its KV on both. The prefill host tells each decode host every
+second where its rooms stand (RoomProgress), so a prefill server that dies is noticed within the
+bootstrap or transfer timeout of the state it died in.
+
+Nothing a peer sends can crash either host, or make it hold memory or sockets without bound:
+the pair's sockets need the cluster key (unless --insecure-cluster), every field of a room is
+checked as an HTTP request is (sampling parameters, prompt length and vocabulary, addresses),
+replies go through bounded links (transport/peers.py), and every task is supervised.
 """
 
 from __future__ import annotations
@@ -20,18 +27,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import zmq
 import zmq.asyncio
 
-from ppserve.engine.kv_blocks import layer_slices
-from ppserve.scheduler.bootstrap import BootstrapTable, KvState, handshake_order
+from ppserve.engine.kv_blocks import LayerSlice, layer_slices
+from ppserve.scheduler.bootstrap import BootstrapTable, KvState, Room, handshake_order
 from ppserve.scheduler.request import Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.cluster_key import CurveKeys, Guard
-from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.control import PullSocket, context
 from ppserve.transport.messages import (
     ControlMsg,
     KvBootstrap,
@@ -40,59 +49,98 @@ from ppserve.transport.messages import (
     KvForget,
     KvStatus,
     KvTarget,
+    Msg,
     RoomFailed,
     RoomFirstToken,
     RoomOpen,
+    RoomProgress,
+    RoomState,
     Sampled,
+    WireSamplingParams,
 )
+from ppserve.transport.peers import AddressError, LogLimiter, PeerLinks, check_address
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("ppserve.disagg")
 TICK_S = 0.1
-
-
-def _guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str) -> Guard | None:
-    """With a secret (--cluster-key-file), the pair's sockets speak CURVE, as a cluster's do."""
-    return Guard(ctx, CurveKeys.from_secret(key), who) if key is not None else None
-
-
-def _read(reader: asyncio.Future[ControlMsg]) -> ControlMsg | None:
-    """A message off the inbox; None (and a warning) for anything that is not ppserve's."""
-    try:
-        return reader.result()
-    except msgspec.DecodeError:
-        log.warning("prefill host: dropped a message that is not ppserve's")
-        return None
+PROGRESS_S = 1.0  # how often the prefill host tells each decode host where its rooms stand
+MAX_ROOM_CHARS = 256  # a room's name (the decode side's request id)
+MAX_ROOM_MESSAGE_BYTES = 64 << 20  # one message on a room inbox (a prompt of millions of token ids fits)
+UNDELIVERED = (AddressError, TimeoutError, zmq.ZMQError)  # a reply no peer took
 
 
 class DisaggregationError(RuntimeError):
     """A room failed: the message names the side, the stage and the state."""
 
 
-class _Links:
-    """PUSH sockets to peers by address, opened on first use."""
+def _guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str, address: str) -> Guard | None:
+    """The pair's sockets speak CURVE under the cluster key; without one (--insecure-cluster,
+    which EngineConfig requires then) anyone who reaches them is heard, and the log says so."""
+    if key is None:
+        log.warning("%s: --insecure-cluster: %s takes rooms from anyone who can reach it", who, address)
+        return None
+    return Guard(ctx, CurveKeys.from_secret(key), who)
 
-    def __init__(self, ctx: zmq.asyncio.Context, guard: Guard | None) -> None:
-        self.ctx, self.guard = ctx, guard
-        self.socks: dict[str, PushSocket] = {}
 
-    def send(self, address: str, msg: RoomOpen | RoomFirstToken | RoomFailed) -> None:
-        if address not in self.socks:
-            self.socks[address] = PushSocket(self.ctx, address, bind=False, guard=self.guard)
-        self.socks[address].send_nowait(msg)
+def _inbox(ctx: zmq.asyncio.Context, address: str, guard: Guard | None) -> PullSocket:
+    return PullSocket(ctx, address, bind=True, guard=guard, max_msg_bytes=MAX_ROOM_MESSAGE_BYTES)
 
-    def close(self) -> None:
-        for sock in self.socks.values():
-            sock.close(linger_ms=200)
-        if self.guard is not None:
-            self.guard.stop()
+
+def first_token_params(w: WireSamplingParams) -> SamplingParams:
+    """The prefill side's request: the decode side's sampling parameters, checked as an HTTP
+    request's are (ValueError naming the field), for one token, whatever it is (the decode side
+    decides on EOS)."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=w.temperature,
+        top_k=w.top_k,
+        top_p=w.top_p,
+        min_p=w.min_p,
+        presence_penalty=w.presence_penalty,
+        frequency_penalty=w.frequency_penalty,
+        seed=w.seed,
+        logprobs=w.logprobs,
+        prompt_logprobs=w.prompt_logprobs,  # refused by the engine's check: the room is refused, naming it
+        ignore_eos=True,
+    )
+
+
+class _Tasks:
+    """A host's room tasks: held (so none is collected while it runs) and, should one raise
+    what it does not handle itself, logged with its traceback rather than lost."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.running: set[asyncio.Task[None]] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self.running.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.running.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("%s: a room task failed", self.who, exc_info=error)
+
+    def cancel(self) -> None:
+        for task in self.running:
+            task.cancel()
+
+
+def _slowest(r: Room) -> int:
+    """The room's stage furthest behind (the one holding it up)."""
+    order = list(KvState)
+    return min(range(len(r.states)), key=lambda i: (order.index(r.states[i]), i))
 
 
 @dataclass
 class _PrefillRoom:
     open: RoomOpen
+    params: SamplingParams
     told_failure: bool = False
     task: asyncio.Task[None] | None = None
 
@@ -105,61 +153,93 @@ class PrefillRooms:
         cfg = self.config = engine.config
         self.table = BootstrapTable(cfg.pp_size, cfg.disagg_bootstrap_timeout_s, cfg.disagg_transfer_timeout_s)
         self.ctx = context()
-        guard = _guard(self.ctx, cfg.socket_key, "prefill host")
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address(cfg.disagg_port), bind=True, guard=guard)
+        self.guard = _guard(self.ctx, cfg.socket_key, "prefill host", cfg.disagg_address(cfg.disagg_port))
+        self.inbox = _inbox(self.ctx, cfg.disagg_address(cfg.disagg_port), self.guard)
         self.address = self.inbox.address
-        self.links = _Links(self.ctx, guard)
+        self.links = PeerLinks(self.ctx, self.guard, send_timeout_s=cfg.disagg_bootstrap_timeout_s)
         self.rooms: dict[str, _PrefillRoom] = {}
+        self.tasks = _Tasks("prefill host")
+        self.junk = LogLimiter(log)  # a peer can repeat these at will: one line per 10 s
 
     async def serve(self) -> None:
-        """Read RoomOpen / RoomFailed, and apply the table's decisions every tick."""
+        """Read RoomOpen / RoomFailed, apply the table's decisions every tick, and tell each decode
+        host where its rooms stand every PROGRESS_S."""
         reader = asyncio.ensure_future(self.inbox.recv())
+        progress_at = 0.0
         try:
             while True:
                 await asyncio.wait([reader], timeout=TICK_S)
                 if reader.done():
-                    msg = _read(reader)
+                    msg = self._take(reader)
                     reader = asyncio.ensure_future(self.inbox.recv())
-                    if isinstance(msg, RoomOpen):
-                        self._open(msg)
-                    elif isinstance(msg, RoomFailed):
-                        self._fail(msg.room, "decode", None, msg.error)
+                    try:
+                        if isinstance(msg, RoomOpen):
+                            self._open(msg)
+                        elif isinstance(msg, RoomFailed) and msg.room in self.rooms:
+                            self._fail(msg.room, "decode", None, msg.error[:1000])
+                    except Exception:  # a bug shows in the log; the room server goes on
+                        log.exception("prefill host: a room message failed")
                 self._decide()
+                if (now := time.monotonic()) >= progress_at:
+                    self._progress()
+                    progress_at = now + PROGRESS_S
         finally:
             reader.cancel()
 
+    def _take(self, reader: asyncio.Future[ControlMsg]) -> ControlMsg | None:
+        try:
+            return reader.result()
+        except msgspec.DecodeError:
+            self.junk.warning("prefill host: dropped a message that is not ppserve's")
+            return None
+
     def _open(self, msg: RoomOpen) -> None:
-        cfg = self.config
-        problem = None
-        if msg.room in self.rooms:
-            problem = f"room {msg.room!r} is already in use"
-        elif msg.num_layers != cfg.model_config.num_layers or msg.block_size != cfg.block_size:
-            problem = (
-                f"the decode side has {msg.num_layers} layers in blocks of {msg.block_size}, the prefill side "
-                f"{cfg.model_config.num_layers} in blocks of {cfg.block_size}"
-            )
-        slices = []
-        if problem is None:
-            try:
-                decode = [range(t.layer_start, t.layer_stop) for t in msg.decode_stages]
-                slices = layer_slices(cfg.layer_ranges, decode)
-                if any(not 0 <= s.dst < len(msg.decode_stages) for s in slices):
-                    raise ValueError("its stages do not match their layers")
-            except ValueError as e:
-                problem = f"the decode side's layers do not fit: {e}"
-        if problem is not None:  # a malformed room is refused; it never reaches the stages
-            self.links.send(msg.reply_to, RoomFailed(msg.room, f"the prefill side refused the room: {problem}"))
+        try:
+            reply_to = check_address(msg.reply_to, "reply_to")
+        except AddressError as e:  # nowhere to say so
+            self.junk.warning("prefill host: dropped room %.80r: %s", msg.room, e)
+            return
+        try:
+            params, slices = self._check(msg)
+        except (ValueError, RuntimeError) as e:  # a malformed room is refused; it never reaches the stages
+            self.junk.warning("prefill host: refused room %.80r: %s", msg.room, e)
+            self._send(reply_to, RoomFailed(msg.room, f"the prefill side refused the room: {e}"))
             return
         self.table.open(msg.room, time.monotonic())
-        self.rooms[msg.room] = _PrefillRoom(msg)
-        pool = self.engine.pool
-        for stage in handshake_order(cfg.pp_size):
+        self.rooms[msg.room] = _PrefillRoom(msg, params)
+        for stage in handshake_order(self.config.pp_size):
             targets = [
                 KvTarget(s.dst, msg.decode_stages[s.dst].address, s.layers.start, s.layers.stop)
                 for s in slices
                 if s.src == stage
             ]
-            pool.send_to(stage, KvBootstrap(msg.room, targets))
+            self.engine.pool.send_to(stage, KvBootstrap(msg.room, targets))
+
+    def _check(self, msg: RoomOpen) -> tuple[SamplingParams, list[LayerSlice]]:
+        """Every field of a room, as a peer sent it: ValueError (or the engine's refusal) says what is wrong."""
+        cfg, num_layers = self.config, self.config.model_config.num_layers
+        if not 0 < len(msg.room) <= MAX_ROOM_CHARS:
+            raise ValueError(f"a room's name has 1 to {MAX_ROOM_CHARS} characters")
+        if msg.room in self.rooms or msg.room in self.table.rooms:
+            raise ValueError(f"room {msg.room!r} is already in use")
+        if len(self.rooms) >= cfg.max_waiting_requests:
+            raise ValueError(f"{len(self.rooms)} rooms are open here already (--max-waiting-requests)")
+        if msg.num_layers != num_layers or msg.block_size != cfg.block_size:
+            raise ValueError(
+                f"the decode side has {msg.num_layers} layers in blocks of {msg.block_size}, the prefill side "
+                f"{num_layers} in blocks of {cfg.block_size}"
+            )
+        stops = [0] + [t.layer_stop for t in msg.decode_stages]
+        if not 0 < len(msg.decode_stages) <= num_layers or any(
+            t.layer_start != stops[i] or t.layer_stop <= t.layer_start for i, t in enumerate(msg.decode_stages)
+        ):
+            raise ValueError("the decode side's stages do not cover its layers in order")
+        for t in msg.decode_stages:
+            check_address(t.address, "a decode stage's KV address")
+        slices = layer_slices(cfg.layer_ranges, [range(t.layer_start, t.layer_stop) for t in msg.decode_stages])
+        params = first_token_params(msg.params)
+        self.engine.check_request(msg.prompt_token_ids, params)  # length, vocabulary, a queue with room
+        return params, slices
 
     def on_kv_status(self, status: KvStatus) -> None:
         try:
@@ -173,41 +253,41 @@ class PrefillRooms:
         now = time.monotonic()
         for name in self.table.admit():
             room = self.rooms[name]
-            room.task = asyncio.create_task(self._prefill(name, room.open))
+            room.task = self.tasks.spawn(self._prefill(name, room))
         self.table.expire(now)
         for name, room in self.rooms.items():
             r = self.table.rooms.get(name)
             if r is not None and r.error is not None and not room.told_failure:
                 room.told_failure = True
                 log.warning("room %s failed: %s", name, r.error)
-                self.links.send(room.open.reply_to, RoomFailed(name, str(r.error)))
+                self._send(room.open.reply_to, RoomFailed(name, str(r.error)))
                 if room.task is not None:
                     room.task.cancel()
                 for stage in self.table.pending(name):
                     self.engine.pool.send_to(stage, KvForget(name))
         for r in self.table.release(now):
-            self.rooms.pop(r.room, None)
+            gone = self.rooms.pop(r.room, None)
+            if gone is not None and r.succeeded:  # all sent: from here, what is missing is the decode side's
+                self._send(gone.open.reply_to, RoomProgress([RoomState(r.room, 0, KvState.SUCCESS.value)]))
             if self.engine.scheduler.release_held(r.room):
                 self.engine.wake()
 
-    async def _prefill(self, name: str, msg: RoomOpen) -> None:
-        w = msg.params
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=w.temperature,
-            top_k=w.top_k,
-            top_p=w.top_p,
-            min_p=w.min_p,
-            presence_penalty=w.presence_penalty,
-            frequency_penalty=w.frequency_penalty,
-            seed=w.seed,
-            logprobs=w.logprobs,
-            prompt_logprobs=w.prompt_logprobs,  # refused by the engine here: the room fails, naming it
-            ignore_eos=True,  # the first token is sampled whatever it is: the decode side decides on EOS
-        )
+    def _progress(self) -> None:
+        """One RoomProgress per decode host, for its rooms still in progress here."""
+        by_peer: dict[str, list[RoomState]] = {}
+        for name, room in self.rooms.items():
+            r = self.table.rooms.get(name)
+            if r is not None and r.error is None:
+                stage = _slowest(r)
+                by_peer.setdefault(room.open.reply_to, []).append(RoomState(name, stage, r.states[stage].value))
+        for peer, states in by_peer.items():
+            self._send(peer, RoomProgress(states))
+
+    async def _prefill(self, name: str, room: _PrefillRoom) -> None:
+        msg = room.open
         try:
             sample = None
-            async for out in self.engine.generate(msg.prompt_token_ids, params, request_id=name, hold_kv=True):
+            async for out in self.engine.generate(msg.prompt_token_ids, room.params, request_id=name, hold_kv=True):
                 if out.token_ids:
                     lp = out.logprobs[0] if out.logprobs else None
                     top = [(t, p) for t, p in lp.top_logprobs] if lp else []
@@ -215,29 +295,45 @@ class PrefillRooms:
             held = self.engine.scheduler.held.get(name)
             if sample is None or held is None:
                 raise DisaggregationError("the prefill produced no token")
-        except (DisaggregationError, RuntimeError, ValueError) as e:
+        except Exception as e:  # the room's failure, never the room server's
             self._fail(name, "prefill", None, f"{type(e).__name__}: {e}")
             return
-        self.links.send(msg.reply_to, RoomFirstToken(name, sample))
+        self._send(msg.reply_to, RoomFirstToken(name, sample))
         for stage in range(self.config.pp_size):
             self.engine.pool.send_to(stage, KvExport(name, list(held.block_table)))
+
+    def _send(self, peer: str, msg: Msg) -> None:
+        """To a decode host, in the background; a room whose decode host takes no word fails."""
+
+        async def send() -> None:
+            try:
+                await self.links.send(peer, msg)
+            except UNDELIVERED as e:
+                self.junk.warning("prefill host: %s took no %s: %s", peer, type(msg).__name__, e or "timed out")
+                if isinstance(msg, RoomFirstToken) and msg.room in self.rooms:
+                    self._fail(msg.room, "decode", None, f"its host at {peer} took no first token")
+
+        self.tasks.spawn(send())
 
     def _fail(self, name: str, side: str, stage: int | None, reason: str) -> None:
         self.table.fail(name, side, stage, reason, time.monotonic())
         self._decide()
 
     def close(self) -> None:
-        for room in self.rooms.values():
-            if room.task is not None:
-                room.task.cancel()
+        self.tasks.cancel()
         self.inbox.close()
         self.links.close()
+        if self.guard is not None:
+            self.guard.stop()
         self.ctx.term()
 
 
 @dataclass
 class _DecodeRoom:
     stages: int
+    heard_at: float  # the prefill side's last word about this room
+    prefill_stage: int | None = None  # where the prefill side said the room stands
+    prefill_state: str = KvState.BOOTSTRAPPING.value
     first: Sampled | None = None
     received: set[int] = field(default_factory=set)
     error: str | None = None
@@ -255,28 +351,35 @@ class DecodeRooms:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         cfg = self.config = engine.config
-        self.timeout_s = cfg.disagg_bootstrap_timeout_s + cfg.disagg_transfer_timeout_s
         self.ctx = context()
-        guard = _guard(self.ctx, cfg.socket_key, "decode host")
-        self.inbox = PullSocket(self.ctx, cfg.disagg_address(), bind=True, guard=guard)
+        self.guard = _guard(self.ctx, cfg.socket_key, "decode host", cfg.disagg_address())
+        self.inbox = _inbox(self.ctx, cfg.disagg_address(), self.guard)
         self.address = self.inbox.address
-        self.links = _Links(self.ctx, guard)
+        self.links = PeerLinks(self.ctx, self.guard, send_timeout_s=cfg.disagg_bootstrap_timeout_s)
         self.rooms: dict[str, _DecodeRoom] = {}
+        self.tasks = _Tasks("decode host")
+        self.junk = LogLimiter(log)
 
     async def serve(self) -> None:
         while True:
             try:
                 msg = await self.inbox.recv()
             except msgspec.DecodeError:
-                log.warning("decode host: dropped a message that is not ppserve's")
+                self.junk.warning("decode host: dropped a message that is not ppserve's")
                 continue
-            room = self.rooms.get(getattr(msg, "room", ""))
-            if room is None:
+            now = time.monotonic()
+            if isinstance(msg, RoomProgress):
+                for s in msg.rooms:
+                    if (room := self.rooms.get(s.room)) is not None:
+                        room.heard_at, room.prefill_stage, room.prefill_state = now, s.stage, s.state[:40]
+                continue
+            if not isinstance(msg, (RoomFirstToken, RoomFailed)) or (room := self.rooms.get(msg.room)) is None:
                 continue  # a room that ended here already
+            room.heard_at = now
             if isinstance(msg, RoomFirstToken):
                 room.first = msg.sample
-            elif isinstance(msg, RoomFailed):
-                room.error, room.from_prefill = msg.error, True
+            else:
+                room.error, room.from_prefill = msg.error[:1000], True
             room.check()
 
     def on_kv_status(self, status: KvStatus) -> None:
@@ -293,32 +396,41 @@ class DecodeRooms:
         """Reserve the request's KV here, have `prefill` compute it; returns the first token once
         the KV is in. Raises DisaggregationError (everything freed, both sides told)."""
         name, cfg, pool = request.request_id, self.config, self.engine.pool
-        deadline = time.monotonic() + self.timeout_s
+        try:
+            check_address(prefill, "the prefill server's bootstrap address")
+        except AddressError as e:
+            raise DisaggregationError(str(e)) from None
+        deadline = time.monotonic() + cfg.disagg_bootstrap_timeout_s
         while (blocks := self.engine.scheduler.reserve_prefilled(request)) is None:
             if time.monotonic() > deadline:
                 raise DisaggregationError("the decode side has no room in its KV cache for the prompt")
             await asyncio.sleep(TICK_S)
-        room = self.rooms[name] = _DecodeRoom(cfg.pp_size)
+        room = self.rooms[name] = _DecodeRoom(cfg.pp_size, time.monotonic())
         try:
             for stage in range(cfg.pp_size):
                 pool.send_to(stage, KvExpect(name, blocks))
             stages = [KvTarget(i, pool.kv_addresses[i], r.start, r.stop) for i, r in enumerate(cfg.layer_ranges)]
-            self.links.send(
-                prefill,
-                RoomOpen(
-                    name,
-                    list(request.prompt_token_ids),
-                    request.params.wire(),
-                    stages,
-                    cfg.block_size,
-                    cfg.model_config.num_layers,
-                    self.inbox.address,
-                ),
+            opened = RoomOpen(
+                name,
+                list(request.prompt_token_ids),
+                request.params.wire(),
+                stages,
+                cfg.block_size,
+                cfg.model_config.num_layers,
+                self.inbox.address,
             )
             try:
-                await asyncio.wait_for(room.done.wait(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                room.error = f"the decode side waited {self.timeout_s:g} s for the prefill side's KV"
+                await self.links.send(prefill, opened)
+            except UNDELIVERED as e:
+                room.error = (
+                    f"the prefill side failed in state Bootstrapping: {prefill} took no room "
+                    f"({e or 'timed out'}: is it up, with this cluster key?)"
+                )
+            room.heard_at = time.monotonic()
+            while room.error is None and not room.done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room.done.wait(), PROGRESS_S)
+                room.error = room.error or self._silence(room, prefill)
             if room.error is not None:
                 raise DisaggregationError(room.error)
             assert room.first is not None
@@ -327,13 +439,44 @@ class DecodeRooms:
             for stage in range(cfg.pp_size):
                 pool.send_to(stage, KvForget(name))
             if not room.from_prefill:
-                with contextlib.suppress(Exception):
-                    self.links.send(prefill, RoomFailed(name, room.error or "the decode side's request ended"))
+                failed = RoomFailed(name, room.error or "the decode side's request ended")
+                self.tasks.spawn(self._tell(prefill, failed))
             raise
         finally:
             self.rooms.pop(name, None)
 
+    def _silence(self, room: _DecodeRoom, prefill: str) -> str | None:
+        """The room's error if the prefill side has been silent about it for longer than the
+        timeout of the state it last reported (its KV all sent: what is still missing is ours)."""
+        cfg, quiet = self.config, time.monotonic() - room.heard_at
+        if room.prefill_state == KvState.SUCCESS.value:
+            if quiet <= cfg.disagg_transfer_timeout_s:
+                return None
+            missing = [i for i in range(room.stages) if i not in room.received]
+            return (
+                f"decode stage {missing[0] if missing else 0} failed in state Receiving: the prefill side sent "
+                f"the KV, but decode stages {missing} did not have it all within {cfg.disagg_transfer_timeout_s:g} s"
+            )
+        transferring = room.prefill_state == KvState.TRANSFERRING.value
+        limit = cfg.disagg_transfer_timeout_s if transferring else cfg.disagg_bootstrap_timeout_s
+        if quiet <= limit:
+            return None
+        who = "the prefill side" if room.prefill_stage is None else f"prefill stage {room.prefill_stage}"
+        return (
+            f"{who} failed in state {room.prefill_state}: no word from the prefill server at {prefill} "
+            f"for {limit:g} s (is it down?)"
+        )
+
+    async def _tell(self, peer: str, msg: Msg) -> None:
+        try:
+            await self.links.send(peer, msg)
+        except UNDELIVERED as e:
+            self.junk.warning("decode host: %s took no %s: %s", peer, type(msg).__name__, e or "timed out")
+
     def close(self) -> None:
+        self.tasks.cancel()
         self.inbox.close()
         self.links.close()
+        if self.guard is not None:
+            self.guard.stop()
         self.ctx.term()

@@ -32,6 +32,7 @@ from ppserve.engine.disagg_faults import FaultDice
 from ppserve.engine.kv_blocks import read_blocks, write_blocks
 from ppserve.transport.kv_transfer import KvChunk, KvSender, block_chunks, open_receiver, open_sender
 from ppserve.transport.messages import KvStatus, KvTarget
+from ppserve.transport.peers import AddressError, check_address
 
 if TYPE_CHECKING:
     from ppserve.transport.cluster_key import Guard
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppserve.kv")
 Report = Callable[[KvStatus], Awaitable[None]]
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a function where the stage computes
+MAX_TARGETS = 64  # decode stages one prefill stage sends a room's KV to (one per decode stage it overlaps)
+MAX_SENDERS = 64  # open senders to decode stages, kept for later rooms
 
 
 class KvExporter:
@@ -58,8 +61,8 @@ class KvExporter:
         self.ctx, self.stage, self.own, self.cache, self.run, self.report = ctx, stage, own, cache, run, report
         self.guard, self.backend, self.faults = guard, backend, faults
         self.send_timeout_s = send_timeout_s  # a receiver that is gone leaves a send waiting
-        self.targets: dict[str, list[KvTarget]] = {}  # rooms past their handshake
-        self.senders: dict[str, KvSender] = {}  # by address, kept for later rooms
+        self.targets: dict[str, list[KvTarget]] = {}  # rooms past their handshake, until exported
+        self.senders: dict[str, KvSender] = {}  # by address, kept for later rooms (least recently used first)
         self.exporting: set[str] = set()
         self.aborted: set[str] = set()  # exports in progress told to stop
 
@@ -69,16 +72,41 @@ class KvExporter:
                 log.warning("prefill stage %d: dropped the handshake of room %s (injected)", self.stage, room)
                 return  # the host's bootstrap timeout ends the room
             await asyncio.sleep(self.faults.jitter_s())
-        for t in targets:
-            if t.address not in self.senders:
-                self.senders[t.address] = open_sender(self.backend, self.ctx, t.address, self.guard)
+        try:
+            self._check_targets(targets)
+            for t in targets:
+                self._sender(t.address)
+        except (AddressError, ValueError, zmq.ZMQError) as e:  # the decode side's handshake, refused
+            await self.report(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
+            return
         self.targets[room] = list(targets)
         await self.report(KvStatus(room, self.stage, "WaitingForInput"))
 
+    def _check_targets(self, targets: Sequence[KvTarget]) -> None:
+        if not 0 < len(targets) <= MAX_TARGETS:
+            raise ValueError(f"a handshake names {len(targets)} KV targets (1..{MAX_TARGETS})")
+        for t in targets:
+            check_address(t.address, "a decode stage's KV address")
+            if not (self.own.start <= t.layer_start < t.layer_stop <= self.own.stop):
+                raise ValueError(f"layers {t.layer_start}..{t.layer_stop - 1} are not this stage's")
+
+    def _sender(self, address: str) -> KvSender:
+        """The sender to `address`; past MAX_SENDERS, the least recently used idle one closes."""
+        sender = self.senders.pop(address, None)
+        if sender is None:
+            busy = {t.address for ts in self.targets.values() for t in ts}
+            for old in [a for a in self.senders if a not in busy][: max(0, len(self.senders) + 1 - MAX_SENDERS)]:
+                self.senders.pop(old).close()
+            if len(self.senders) >= MAX_SENDERS:
+                raise ValueError(f"KV transfers to {len(self.senders)} decode stages are open here already")
+            sender = open_sender(self.backend, self.ctx, address, self.guard)
+        self.senders[address] = sender  # most recently used last
+        return sender
+
     async def export(self, room: str, blocks: Sequence[int]) -> None:
         """Send the room's KV (its prefill is done on this stage); reports how it went."""
-        targets = self.targets.pop(room, None)
-        if targets is None:
+        targets = self.targets.get(room)  # kept until the export ends: its senders are busy
+        if targets is None or room in self.exporting:
             await self.report(KvStatus(room, self.stage, "Failed", "no handshake for this room on this stage"))
             return
         await self.report(KvStatus(room, self.stage, "Transferring"))
@@ -103,7 +131,7 @@ class KvExporter:
                         str(data.dtype).removeprefix("torch."), tuple(data.shape),
                     )  # fmt: skip
                     try:
-                        await asyncio.wait_for(self.senders[t.address].send(chunk, data), self.send_timeout_s)
+                        await asyncio.wait_for(self._sender(t.address).send(chunk, data), self.send_timeout_s)
                     except TimeoutError:
                         raise RuntimeError(
                             f"decode stage {t.dst_stage} took no KV for {self.send_timeout_s:g} s"
@@ -112,6 +140,7 @@ class KvExporter:
             await self.report(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
             return
         finally:
+            self.targets.pop(room, None)
             self.exporting.discard(room)
             self.aborted.discard(room)
         await self.report(KvStatus(room, self.stage, "Success"))

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -68,6 +68,7 @@ from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel, open_ch
 if TYPE_CHECKING:
     from ppserve.engine.stage_runner import StageRunner
 
+log = logging.getLogger("ppserve.stage")
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
 Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
@@ -227,9 +228,9 @@ class StageWorker:
         """Disaggregation (engine/kv_service.py): KV transfers run beside the pipeline."""
         if isinstance(self.kv, KvExporter):
             if isinstance(msg, KvBootstrap):
-                self._kv_tasks.add(asyncio.create_task(self.kv.bootstrap(msg.room, msg.targets)))
+                self._kv_room(msg.room, self.kv.bootstrap(msg.room, msg.targets))
             elif isinstance(msg, KvExport):
-                self._kv_tasks.add(asyncio.create_task(self.kv.export(msg.room, msg.blocks)))
+                self._kv_room(msg.room, self.kv.export(msg.room, msg.blocks))
             elif isinstance(msg, KvForget):
                 self.kv.abort(msg.room)
         elif isinstance(self.kv, KvImporter):
@@ -238,6 +239,19 @@ class StageWorker:
             elif isinstance(msg, KvForget):
                 self.kv.drop(msg.room)
         self._kv_tasks = {t for t in self._kv_tasks if not t.done()}
+
+    def _kv_room(self, room: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run one room's transfer step beside the pipeline. It reports its own failures; anything
+        else it raises fails the room (the host then ends it on both sides), never the stage."""
+
+        async def supervised() -> None:
+            try:
+                await work
+            except Exception as e:
+                log.exception("stage %d: room %s failed", self.stage, room)
+                await self.inbox.send(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
+
+        self._kv_tasks.add(asyncio.create_task(supervised()))
 
     def _open_kv(self) -> None:
         mode = self.config.disaggregation

@@ -17,7 +17,7 @@ import hmac
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,6 +34,8 @@ from ppserve.server.metrics import ServerMetrics
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
 from ppserve.server.security import bearer_token, browser_checks
 from ppserve.server.streams import as_api_error
+from ppserve.transport.cluster_key import route_proof_matches
+from ppserve.transport.peers import AddressError, check_address
 
 log = logging.getLogger("ppserve.server")
 # No API key needed: probes, scrapers, docs, and the playground page (it holds no secrets; what it
@@ -165,6 +167,7 @@ class ServerState:
 STATE = web.AppKey("state", ServerState)
 # Disaggregation: a router names the prefill server of a request sent to a decode server here.
 PREFILL_HEADER = "X-PPServe-Prefill"
+PREFILL_PROOF_HEADER = "X-PPServe-Prefill-Proof"  # transport/cluster_key.py's route_proof
 PREFILL_AT: ContextVar[str | None] = ContextVar("prefill_at", default=None)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -246,17 +249,26 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     prefill = request.headers.get(PREFILL_HEADER)
     if prefill is None:
         return await handler(request)
-    # A browser cannot set this header; anyone else passed the key check above (the address is
-    # one this server will connect to).
-    if request.app[STATE].config.disaggregation != "decode":
-        raise ApiError(400, f"{PREFILL_HEADER} is for decode servers (--disaggregation-mode decode)")
-    if not prefill.startswith("tcp://") or len(prefill) > 300:
-        raise ApiError(400, f"{PREFILL_HEADER} must be a prefill server's bootstrap address, tcp://HOST:PORT")
-    token = PREFILL_AT.set(prefill)
+    token = PREFILL_AT.set(_prefill_server(request.app[STATE].config, prefill, request.headers))
     try:
         return await handler(request)
     finally:
         PREFILL_AT.reset(token)
+
+
+def _prefill_server(config: EngineConfig, prefill: str, headers: Mapping[str, str]) -> str:
+    """The prefill server a router names for this request. This server will connect there, so
+    it takes the address only with the router's proof of the cluster key (a client's header
+    alone makes it connect nowhere), and only once it parses as a peer's address."""
+    if config.disaggregation != "decode":
+        raise ApiError(400, f"{PREFILL_HEADER} is for decode servers (--disaggregation-mode decode)")
+    key = config.socket_key
+    if key is not None and not route_proof_matches(key, headers.get(PREFILL_PROOF_HEADER, ""), prefill):
+        raise ApiError(403, f"{PREFILL_HEADER} needs {PREFILL_PROOF_HEADER} from a router that holds the cluster key")
+    try:
+        return check_address(prefill, PREFILL_HEADER)
+    except AddressError as e:
+        raise ApiError(400, f"{e}: it must be a prefill server's bootstrap address, tcp://HOST:PORT") from None
 
 
 def _browser_websocket(request: web.Request) -> bool:

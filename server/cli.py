@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -250,6 +251,24 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' HTTP URLs")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     router.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    router.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="the servers' shared secret (or env PPSERVE_CLUSTER_KEY): proves to decode servers that this "
+        "router names their prefill server",
+    )
+    router.add_argument(
+        "--insecure-cluster", action="store_true", help="the servers run without a key (--insecure-cluster)"
+    )
+    router.add_argument(
+        "--upstream-read-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="the longest wait between two reads of a decode server's answer; streams have no total limit "
+        "(default 600)",
+    )
     return parser
 
 
@@ -469,10 +488,24 @@ def _route(args: argparse.Namespace) -> None:
     for url in [*args.prefill, *args.decode]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"expected a server's URL such as http://10.0.0.2:8000, got {url!r}")
+    from ppserve.transport.cluster_key import load_key
+
+    key = load_key(args.cluster_key_file)
+    if key is None and not args.insecure_cluster:
+        raise ValueError(
+            "the router needs the servers' shared secret: --cluster-key-file PATH or env PPSERVE_CLUSTER_KEY "
+            "(or --insecure-cluster, as the servers)"
+        )
+    if key is not None and args.insecure_cluster:
+        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    if not (math.isfinite(args.upstream_read_timeout) and args.upstream_read_timeout > 0):
+        raise ValueError(f"--upstream-read-timeout must be positive seconds, got {args.upstream_read_timeout}")
     sockets = bind_http(args.host, args.port)
     from ppserve.server.router import serve_router
 
-    run_loop(serve_router(args.prefill, args.decode, sockets))
+    if key is None:
+        logging.getLogger("ppserve.router").warning("--insecure-cluster: the servers behind take rooms from anyone")
+    run_loop(serve_router(args.prefill, args.decode, sockets, key, args.upstream_read_timeout))
 
 
 def _sigterm_as_sigint() -> None:

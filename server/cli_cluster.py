@@ -42,7 +42,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--insecure-cluster",
         action="store_true",
-        help="run a multi-node cluster without a key: anyone who can reach the nodes can drive them",
+        help="run a multi-node cluster or a disaggregated pair without a key: anyone who can reach their "
+        "sockets can drive them",
     )
 
 
@@ -113,7 +114,8 @@ def disaggregation_options(args: argparse.Namespace) -> dict[str, Any]:
         "disagg_port": args.disaggregation_bootstrap_port,
         "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
         "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
-        "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets then speak CURVE
+        "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets speak CURVE
+        "disagg_insecure": args.insecure_cluster,
     }
 
 

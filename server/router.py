@@ -27,11 +27,16 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from ppserve.server.app import PREFILL_HEADER, json_errors
+from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, json_errors
+from ppserve.server.client_errors import CLIENT_GONE
 from ppserve.server.protocol import ApiError
+from ppserve.transport.cluster_key import route_proof
+from ppserve.transport.peers import check_address
 
 log = logging.getLogger("ppserve.router")
 CHECK_S = 1.0
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 600.0  # between two reads of a decode server's answer (a non-streaming one comes at the end)
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
 
@@ -50,8 +55,17 @@ class Backend:
 @dataclass
 class Router:
     backends: list[Backend]
+    key: bytes | None  # the cluster key: proves to decode servers that the router names the prefill server
+    read_timeout_s: float = READ_TIMEOUT_S
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def prefill_headers(self, prefill: Backend) -> dict[str, str]:
+        """What tells a decode server where this request's prompt is prefilled."""
+        headers = {PREFILL_HEADER: prefill.bootstrap}
+        if self.key is not None:
+            headers[PREFILL_PROOF_HEADER] = route_proof(self.key, prefill.bootstrap)
+        return headers
 
     def pick(self, side: str) -> Backend:
         ready = [b for b in self.backends if b.side == side and b.healthy]
@@ -69,11 +83,12 @@ class Router:
                 raise ValueError(f"/health answered {resp.status}: {body.get('error') or body.get('status')}")
             if pd.get("mode") != backend.side:
                 raise ValueError(f"it is not a {backend.side} server (--disaggregation-mode {backend.side})")
-            backend.bootstrap = str(pd.get("bootstrap", ""))
+            if backend.side == "prefill":
+                backend.bootstrap = check_address(pd.get("bootstrap"), "its bootstrap address")
             if not backend.healthy:
                 log.info("%s server %s is in the rotation", backend.side, backend.url)
             backend.healthy, backend.why = True, ""
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:  # AddressError too
             if backend.healthy or backend.why == "not checked yet":
                 log.warning("%s server %s leaves the rotation: %s", backend.side, backend.url, e or type(e).__name__)
             backend.healthy, backend.why = False, str(e) or type(e).__name__
@@ -91,13 +106,14 @@ async def route(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     decode, prefill = router.pick("decode"), router.pick("prefill")
     headers = {k: v for k, v in request.headers.items() if k in ("Content-Type", "Authorization", "Accept")}
-    headers[PREFILL_HEADER] = prefill.bootstrap
+    headers.update(router.prefill_headers(prefill))
     body = await request.read()
     assert router.session is not None
     decode.inflight += 1
     prefill.inflight += 1
     decode.routed += 1
     prefill.routed += 1
+    out: web.StreamResponse | None = None
     try:
         async with router.session.post(decode.url + request.path, data=body, headers=headers) as upstream:
             out = web.StreamResponse(status=upstream.status, headers=_passed(upstream.headers))
@@ -106,8 +122,16 @@ async def route(request: web.Request) -> web.StreamResponse:
                 await out.write(data)
             await out.write_eof()
             return out
-    except aiohttp.ClientError as e:
-        raise ApiError(503, f"decode server {decode.url} failed: {e}", headers={"Retry-After": "1"}) from None
+    except (aiohttp.ClientError, TimeoutError) as e:
+        why = f"decode server {decode.url} failed: {e or f'sent nothing for {router.read_timeout_s:g} s'}"
+        if out is None:
+            raise ApiError(503, why, headers={"Retry-After": "1"}) from None
+        # The answer has begun: a stream ends with an error event and [DONE], as the server's own do.
+        log.warning("%s %s: %s", request.method, request.path, why)
+        if out.headers.get("Content-Type", "").startswith("text/event-stream"):
+            with contextlib.suppress(*CLIENT_GONE):
+                await out.write(b"data: " + json.dumps(ApiError(503, why).body()).encode() + b"\n\ndata: [DONE]\n\n")
+        return out
     finally:
         decode.inflight -= 1
         prefill.inflight -= 1
@@ -123,7 +147,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     decode, prefill = router.pick("decode"), router.pick("prefill")
     assert router.session is not None
-    headers = {PREFILL_HEADER: prefill.bootstrap}
+    headers = router.prefill_headers(prefill)
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
     try:
@@ -215,15 +239,20 @@ def _relabel(text: str, url: str, seen: set[str]) -> list[str]:
     return out
 
 
-def create_router(prefill: list[str], decode: list[str]) -> web.Application:
+def create_router(
+    prefill: list[str], decode: list[str], key: bytes | None, read_timeout_s: float = READ_TIMEOUT_S
+) -> web.Application:
+    """`key`: the cluster key of the servers behind (None: they run with --insecure-cluster)."""
     backends = [Backend(u.rstrip("/"), "prefill") for u in prefill]
     backends += [Backend(u.rstrip("/"), "decode") for u in decode]
     app = web.Application(middlewares=[json_errors])  # the router's own errors: the servers' shape
-    app[ROUTER] = Router(backends)
+    app[ROUTER] = Router(backends, key, read_timeout_s)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         router = app[ROUTER]
-        router.session = aiohttp.ClientSession()
+        # No total timeout (a stream may last hours), only one between two reads of a server.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
+        router.session = aiohttp.ClientSession(timeout=timeout)
         router.tasks.append(asyncio.create_task(router.watch()))
         yield
         for task in router.tasks:
@@ -241,14 +270,14 @@ def create_router(prefill: list[str], decode: list[str]) -> web.Application:
     return app
 
 
-async def serve_router(prefill: list[str], decode: list[str], sockets: list[socket.socket]) -> None:
-    from aiohttp import web
-
+async def serve_router(
+    prefill: list[str], decode: list[str], sockets: list[socket.socket], key: bytes | None, read_timeout_s: float
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_router(prefill, decode), handler_cancellation=True)
+    runner = web.AppRunner(create_router(prefill, decode, key, read_timeout_s), handler_cancellation=True)
     await runner.setup()
     try:
         for sock in sockets:

@@ -200,6 +200,11 @@ def test_serve_bad_disaggregation_flags(llama_dir: Path) -> None:
     assert res.returncode == 2 and "bootstrap port must be in [0, 65535]" in res.stderr
     res = run_cli(*base, "middle")
     assert res.returncode == 2 and "invalid choice" in res.stderr
+    # The pair's sockets need the cluster key, unless the user opts out loudly.
+    res = run_cli(*base, "decode")
+    assert res.returncode == 2 and "needs a shared secret" in res.stderr and "--insecure-cluster" in res.stderr
+    res = run_cli("router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9")
+    assert res.returncode == 2 and "the router needs the servers' shared secret" in res.stderr
 
 
 def test_serve_bad_flags(llama_dir: Path) -> None:

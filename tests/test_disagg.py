@@ -19,6 +19,7 @@ from ppserve.engine.disagg import DisaggregationError, PrefillRooms
 from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.addresses import free_ports
+from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import KvTarget, RoomFailed, RoomFirstToken, RoomOpen
 
@@ -28,8 +29,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.5, ignore_eos=True)
 
 
+KEY = b"a-secret-for-the-pair-0123"
+
+
 def engine(model: Path, mode: str, pp: int, partition: str | None = None, **kw: float | bytes) -> AsyncEngine:
     kw.setdefault("num_kv_blocks", 128)
+    if not kw.get("disagg_insecure"):
+        kw.setdefault("disagg_key", KEY)
     config = EngineConfig.create(
         model, pp_size=pp, layer_partition=partition, disaggregation=mode, threads_per_stage=1,
         chunked_prefill_size=32, **kw,  # type: ignore[arg-type]
@@ -197,34 +203,38 @@ async def test_a_decode_side_that_vanishes_leaves_the_prefill_side_clean(llama_d
         ranges = p.config.layer_ranges
         stages = [KvTarget(0, nowhere[0], 0, 2), KvTarget(1, nowhere[1], 2, ranges[-1].stop)]
         ctx = context()
-        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True)  # the decode host, until it vanishes
-        link = PushSocket(ctx, rooms.address, bind=False)
+        guard = Guard(ctx, CurveKeys.from_secret(KEY), "decode host")
+        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True, guard=guard)  # the decode host, until it vanishes
+        link = PushSocket(ctx, rooms.address, bind=False, guard=guard)
         try:
             room = RoomOpen("lost", list(range(60)), GREEDY.wire(), stages, 16, ranges[-1].stop, inbox.address)
             link.send_nowait(room)
-            first = await asyncio.wait_for(inbox.recv(), 30)
-            assert isinstance(first, RoomFirstToken) and first.room == "lost"
+            replies = [await asyncio.wait_for(inbox.recv(), 30)]
+            while not isinstance(replies[-1], RoomFailed):
+                replies.append(await asyncio.wait_for(inbox.recv(), 30))
+            assert next(r for r in replies if isinstance(r, RoomFirstToken)).room == "lost"
+            # Nobody took the KV: the transfer failed (never reported as done), and says where.
+            assert re.match(r"prefill stage \d failed in state Transferring: .*took no KV for 2 s", replies[-1].error)
             await _settles(lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms)
             assert p.healthy and p.stage_restarts == [0, 0]
         finally:
             link.close()
             inbox.close()
+            guard.stop()
             ctx.term()
 
 
 async def test_the_pair_under_a_cluster_key(llama_dir: Path) -> None:
     """With a secret, the pair's sockets speak CURVE: the keyed pair works, a keyless decode
     engine reaches nothing (its room times out) and the prefill side stays clean."""
-    key = {"disagg_key": b"a-secret-for-the-pair-0123"}
     short = {"disagg_bootstrap_timeout_s": 1.0, "disagg_transfer_timeout_s": 1.0}
-    prefill, decode = engine(llama_dir, "prefill", 2, None, **key), engine(llama_dir, "decode", 1, None, **key)
-    async with prefill as p, decode as d:
+    async with engine(llama_dir, "prefill", 2) as p, engine(llama_dir, "decode", 1) as d:
         rooms = p.rooms
         assert isinstance(rooms, PrefillRooms)
         expected = pipeline(llama_dir).generate([[4, 5, 6, 7]], GREEDY)[0].token_ids
         assert await collect(d, [4, 5, 6, 7], GREEDY, rooms.address) == expected
-        async with engine(llama_dir, "decode", 1, None, **short) as outsider:
-            with pytest.raises(DisaggregationError, match="waited"):
+        async with engine(llama_dir, "decode", 1, None, disagg_insecure=True, **short) as outsider:
+            with pytest.raises(DisaggregationError, match=r"failed in state Bootstrapping: .* took no room"):
                 await collect(outsider, [4, 5, 6, 7], GREEDY, rooms.address)
         assert not rooms.rooms and p.scheduler.allocator.num_free == 128
 
@@ -234,8 +244,9 @@ async def test_a_malformed_room_is_refused_and_the_prefill_engine_serves_on(llam
         rooms = p.rooms
         assert isinstance(rooms, PrefillRooms)
         ctx = context()
-        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True)
-        link = PushSocket(ctx, rooms.address, bind=False)
+        guard = Guard(ctx, CurveKeys.from_secret(KEY), "decode host")
+        inbox = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True, guard=guard)
+        link = PushSocket(ctx, rooms.address, bind=False, guard=guard)
         try:
             layers = p.config.model_config.num_layers
             await link.send_frames([b"\xc1 not a ppserve message"])  # dropped with a warning
@@ -246,4 +257,5 @@ async def test_a_malformed_room_is_refused_and_the_prefill_engine_serves_on(llam
         finally:
             link.close()
             inbox.close()
+            guard.stop()
             ctx.term()

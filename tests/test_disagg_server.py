@@ -16,9 +16,11 @@ from live_server import LiveServer
 from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.addresses import free_ports
+from ppserve.transport.cluster_key import route_proof
 
 pytestmark = pytest.mark.slow
 KEY = "pd-test-key"
+CLUSTER = {"PPSERVE_CLUSTER_KEY": "the-pair-and-router-secret"}  # the servers' and the router's
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +30,12 @@ def deployment(llama_dir: Path) -> Iterator[tuple[LiveServer, LiveServer, LiveSe
     prefill = LiveServer(
         llama_dir, *common, "--pp-size", "2", "--disaggregation-mode", "prefill",
         "--disaggregation-bootstrap-port", port, "--disaggregation-transfer-timeout", "20",
-        "--disaggregation-bootstrap-timeout", "20", api_key=KEY,
+        "--disaggregation-bootstrap-timeout", "20", api_key=KEY, env=CLUSTER,
     )  # fmt: skip
-    decode = LiveServer(llama_dir, *common, "--disaggregation-mode", "decode", api_key=KEY)
-    router = LiveServer(None, "--prefill", prefill.url, "--decode", decode.url, api_key=None, command="router")
+    decode = LiveServer(llama_dir, *common, "--disaggregation-mode", "decode", api_key=KEY, env=CLUSTER)
+    router = LiveServer(
+        None, "--prefill", prefill.url, "--decode", decode.url, api_key=None, command="router", env=CLUSTER
+    )
     router.api_key = KEY  # forwarded to the servers
     try:
         router.wait_until(lambda: router.request("GET", "/health")[0] == 200, what="both sides healthy")
@@ -75,9 +79,17 @@ def test_errors_have_the_servers_shape(deployment: tuple[LiveServer, LiveServer,
     prefill, decode, router = deployment
     status, _, raw = router.request("POST", "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -1})
     assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"  # the decode server's answer
-    status, _, raw = decode.request(
-        "POST", "/v1/completions", {"model": "m", "prompt": "x"}, headers={"X-PPServe-Prefill": "nonsense"}
-    )
+    # A client (even one with the API key) cannot make the decode server connect anywhere: the
+    # prefill server's address counts only with the router's proof of the cluster key.
+    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+    for proof in ({}, {"X-PPServe-Prefill-Proof": "0" * 64}):
+        status, _, raw = decode.request(
+            "POST", "/v1/completions", body, headers={"X-PPServe-Prefill": "tcp://h:1", **proof}
+        )
+        assert status == 403 and "X-PPServe-Prefill-Proof" in json.loads(raw)["error"]["message"]
+    key = CLUSTER["PPSERVE_CLUSTER_KEY"].encode()
+    signed = {"X-PPServe-Prefill": "nonsense", "X-PPServe-Prefill-Proof": route_proof(key, "nonsense")}
+    status, _, raw = decode.request("POST", "/v1/completions", body, headers=signed)
     assert status == 400 and "X-PPServe-Prefill" in json.loads(raw)["error"]["message"]
     status, _, raw = prefill.request(
         "POST", "/v1/completions", {"model": "m", "prompt": "x"}, headers={"X-PPServe-Prefill": "tcp://h:1"}
@@ -87,7 +99,7 @@ def test_errors_have_the_servers_shape(deployment: tuple[LiveServer, LiveServer,
 
 def test_the_router_with_no_prefill_server_up(llama_dir: Path) -> None:
     down = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
-    router = LiveServer(None, *down, api_key=None, command="router")
+    router = LiveServer(None, *down, api_key=None, command="router", env=CLUSTER)
     try:
         router.wait_until(lambda: "leaves the rotation" in "".join(router.output), what="a failed check")
         status, _, raw = router.request("POST", "/v1/completions", {"model": "m", "prompt": "x"})
@@ -100,13 +112,16 @@ def test_the_router_with_no_prefill_server_up(llama_dir: Path) -> None:
 
 def test_the_router_routes_around_a_dead_decode_server(llama_dir: Path) -> None:
     common = ["--kv-cache-gb", "0.02", "--no-playground", "--served-model-name", "m", "--disaggregation-mode"]
-    prefill = LiveServer(llama_dir, *common, "prefill", api_key=None)
-    decodes = [LiveServer(llama_dir, *common, "decode", api_key=None) for _ in range(2)]
+    insecure = "--insecure-cluster"  # on loopback, and said in the log
+    prefill = LiveServer(llama_dir, *common, "prefill", insecure, api_key=None)
+    decodes = [LiveServer(llama_dir, *common, "decode", insecure, api_key=None) for _ in range(2)]
     router = LiveServer(
-        None, "--prefill", prefill.url, "--decode", *(d.url for d in decodes), api_key=None, command="router"
-    )
+        None, "--prefill", prefill.url, "--decode", *(d.url for d in decodes), insecure,
+        api_key=None, command="router",
+    )  # fmt: skip
     try:
         router.wait_until(lambda: router.request("GET", "/health")[0] == 200, what="both sides healthy")
+        assert any("--insecure-cluster: " in line and "takes rooms from anyone" in line for line in prefill.output)
         decodes[0].proc.kill()  # gone without a word; its stages follow
         decodes[0].proc.wait()
 

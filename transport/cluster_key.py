@@ -69,6 +69,16 @@ def proof_matches(key: bytes, claimed: str, *parts: str) -> bool:
     return hmac.compare_digest(proof(key, *parts).encode(), claimed.encode(errors="replace"))
 
 
+def route_proof(key: bytes, prefill: str) -> str:
+    """What a router sends beside the prefill server it names to a decode server, so that only a
+    holder of the key (not any HTTP client) can make a decode server open a room somewhere."""
+    return proof(key, "prefill-route", prefill)
+
+
+def route_proof_matches(key: bytes, claimed: str, prefill: str) -> bool:
+    return proof_matches(key, claimed, "prefill-route", prefill)
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """One CURVE keypair (Z85 text) for every socket of the cluster, both roles."""

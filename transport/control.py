@@ -39,10 +39,24 @@ def _open(sock: zmq.asyncio.Socket, address: str, bind: bool, guard: Guard | Non
 
 
 class PushSocket:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool, guard: Guard | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        *,
+        bind: bool,
+        guard: Guard | None = None,
+        hwm: int = 0,
+        immediate: bool = False,
+    ) -> None:
+        """hwm 0: never drop or block on queue depth (plans are few, and go to our own stages).
+        To a peer on another host, a bounded `hwm` and `immediate` (queue only for a connected
+        peer) keep a peer that is gone from holding our memory (transport/peers.py)."""
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on queue depth: plans are few
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        if immediate:
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.address = _open(self.sock, address, bind, guard)
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
         self._pending: deque[bytes] = deque()  # send_nowait messages waiting for a peer, in order
@@ -87,10 +101,21 @@ class PushSocket:
 
 
 class PullSocket:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, bind: bool, guard: Guard | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        *,
+        bind: bool,
+        guard: Guard | None = None,
+        max_msg_bytes: int = -1,
+    ) -> None:
+        """max_msg_bytes: a peer that sends a larger message is disconnected (-1: no limit, for
+        our own stages)."""
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         self.address = _open(self.sock, address, bind, guard)
 
     async def recv(self) -> ControlMsg:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ppserve.kv")
 CHUNK_BYTES = 4 << 20  # per message: large enough to amortise a send, small enough to stream
+SEND_QUEUE = 4  # chunks queued per receiver: a receiver that is gone holds up at most these
 
 
 class KvChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -76,7 +77,9 @@ class KvReceiver(ABC):
 
 class ZmqKvSender(KvSender):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None) -> None:
-        self.push = PushSocket(ctx, address, bind=False, guard=guard)
+        # Only to a receiver that is connected (and proved the key), a few chunks deep: a send to
+        # one that is not there blocks, and the exporter's timeout fails the transfer.
+        self.push = PushSocket(ctx, address, bind=False, guard=guard, hwm=SEND_QUEUE, immediate=True)
 
     async def send(self, chunk: KvChunk, data: torch.Tensor) -> None:
         if tuple(data.shape) != chunk.shape:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -251,6 +251,22 @@ class RoomFirstToken(Msg, frozen=True):
     sample: Sampled
 
 
+class RoomState(msgspec.Struct, frozen=True, array_like=True):
+    """One room on the prefill side: its stage furthest behind, and that stage's state."""
+
+    room: str
+    stage: int
+    state: str  # a scheduler.bootstrap.KvState value
+
+
+class RoomProgress(Msg, frozen=True):
+    """Prefill host -> decode host, every second and when a room's transfer is done: the prefill
+    side is alive and where its rooms stand (the decode side fails a room whose prefill side
+    goes silent, naming the stage and state it went silent in)."""
+
+    rooms: list[RoomState]
+
+
 class RoomFailed(Msg, frozen=True):
     """Either host -> the other: the room is over, and why (names the side, stage and state)."""
 
@@ -307,6 +323,7 @@ ControlMsg = (
     | KvForget
     | RoomOpen
     | RoomFirstToken
+    | RoomProgress
     | RoomFailed
 )
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,144 @@
+"""Talking to peers on other hosts: the addresses they announce, and the sockets we open to them.
+
+A peer (the other side of a disaggregated pair, a node of a cluster) names addresses for us to
+connect to: where its KV receivers listen, where its room replies go. Nothing it sends is used
+as an address before `check_address` has parsed it. The sockets to peers (`PeerLinks`) are
+bounded three ways, so that no peer, live or gone, can make us hold memory or descriptors:
+
+- in number: past `max_links`, the least recently used one is closed;
+- in queue: a message goes out only to a connected peer (ZMQ_IMMEDIATE), at most `hwm` wait
+  per socket, and a send that no peer takes within `send_timeout_s` fails (it is never queued
+  for a peer that may never come, and never reported as delivered);
+- in order: messages to one peer leave in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from ppserve.transport.messages import Msg, encode
+
+if TYPE_CHECKING:
+    from ppserve.transport.cluster_key import Guard
+
+MAX_ADDRESS_CHARS = 300
+MAX_IPC_PATH = 100  # sun_path holds 108 bytes
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")  # RFC 1123
+
+
+class AddressError(ValueError):
+    """An address a peer announced that we will not connect to."""
+
+
+def check_address(address: object, what: str = "address") -> str:
+    """`address` if it is `tcp://HOST:PORT` (HOST an IP literal, `[v6]`, or a DNS name; PORT in
+    1..65535) or `ipc:///absolute/path`; else an AddressError that says why."""
+    if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS_CHARS:
+        raise AddressError(f"{what} must be a string of at most {MAX_ADDRESS_CHARS} characters")
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if not path.startswith("/") or len(path.encode()) > MAX_IPC_PATH or "\x00" in path:
+            raise AddressError(f"{what} {address!r}: an ipc address needs an absolute path under {MAX_IPC_PATH} bytes")
+        return address
+    if not address.startswith("tcp://"):
+        raise AddressError(f"{what} {address!r} is not tcp://HOST:PORT or ipc:///PATH")
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AddressError(f"{what} {address!r} needs a port in 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise AddressError(f"{what} {address!r}: {host} is not an IPv6 address") from None
+    elif not _is_ipv4(host) and not _HOSTNAME.match(host):
+        raise AddressError(f"{what} {address!r}: {host!r} is not a host name or IP address")
+    if host in ("*", "0.0.0.0", "[::]"):
+        raise AddressError(f"{what} {address!r} is a wildcard, not a peer")
+    return address
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class PeerLinks:
+    """PUSH sockets to peers by address (checked), opened on first use, bounded as above."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        guard: Guard | None,
+        *,
+        max_links: int = 64,
+        hwm: int = 64,
+        send_timeout_s: float = 10.0,
+    ) -> None:
+        self.ctx, self.guard = ctx, guard
+        self.max_links, self.hwm, self.send_timeout_s = max_links, hwm, send_timeout_s
+        self.socks: OrderedDict[str, tuple[zmq.asyncio.Socket, asyncio.Lock]] = OrderedDict()
+
+    def _link(self, address: str) -> tuple[zmq.asyncio.Socket, asyncio.Lock]:
+        if (link := self.socks.get(address)) is not None:
+            self.socks.move_to_end(address)
+            return link
+        check_address(address)
+        while len(self.socks) >= self.max_links:
+            _, (old, _) = self.socks.popitem(last=False)
+            old.close(linger=0)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a peer that is there (and proved the key)
+        if self.guard is not None:
+            self.guard.keys.apply(sock, server=False)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise AddressError(f"cannot connect to {address!r}: {e}") from None
+        link = self.socks[address] = (sock, asyncio.Lock())
+        return link
+
+    async def send(self, address: str, msg: Msg) -> None:
+        """Hand `msg` to the peer at `address`. Raises AddressError for an address we do not
+        connect to, TimeoutError when no peer takes it within the send timeout."""
+        sock, lock = self._link(address)
+        async with lock:  # one sender at a time per peer: messages leave in order
+            await asyncio.wait_for(sock.send(encode(msg), copy=False), self.send_timeout_s)
+
+    def close(self) -> None:
+        for sock, _ in self.socks.values():
+            sock.close(linger=200)  # what a peer already took may still go out, briefly
+        self.socks.clear()
+
+
+class LogLimiter:
+    """At most one log line per `every_s` for a kind of event a peer can repeat at will; the
+    next line says how many were not logged."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 10.0) -> None:
+        self.log, self.every_s = log, every_s
+        self.logged_at, self.unlogged = -every_s, 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.logged_at < self.every_s:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more like it since the last report)" if self.unlogged else ""
+        self.log.warning(msg + more, *args)
+        self.logged_at, self.unlogged = now, 0
