@@ -32,7 +32,7 @@ from ppserve.engine.disagg_faults import FaultDice
 from ppserve.engine.kv_blocks import read_blocks, write_blocks
 from ppserve.transport.kv_transfer import KvChunk, KvSender, block_chunks, open_receiver, open_sender
 from ppserve.transport.messages import KvStatus, KvTarget
-from ppserve.transport.peers import AddressError, check_address
+from ppserve.transport.peers import AddressError, LogLimiter, check_address
 
 if TYPE_CHECKING:
     from ppserve.transport.cluster_key import Guard
@@ -182,6 +182,7 @@ class KvImporter:
         self.receiver = open_receiver(backend, ctx, address, guard)
         self.address = self.receiver.address
         self.rooms: dict[str, _Incoming] = {}
+        self.junk = LogLimiter(log)  # chunks a peer sends for rooms not here: one line per 10 s
 
     def expect(self, room: str, blocks: Sequence[int]) -> None:
         """The room's blocks on this stage (its KV arrives into them, block-table order)."""
@@ -209,7 +210,7 @@ class KvImporter:
         await asyncio.sleep(delay_s)
         room = self.rooms.get(chunk.room)
         if (problem := self._check(chunk, room)) is not None:
-            log.warning("decode stage %d: dropped a KV chunk of room %s: %s", self.stage, chunk.room, problem)
+            self.junk.warning("decode stage %d: dropped a KV chunk of room %.80r: %s", self.stage, chunk.room, problem)
             return
         assert room is not None
         if self.faults is not None and self.faults.fail_transfer():

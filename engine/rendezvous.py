@@ -29,6 +29,7 @@ from ppserve.engine.cluster import ClusterConfig
 from ppserve.engine.fingerprint import describe_mismatch
 from ppserve.transport.cluster_key import proof, proof_matches
 from ppserve.transport.messages import Layout, NodeJoin, Verdict, decode_struct, encode_struct
+from ppserve.transport.peers import AddressError, check_address
 
 log = logging.getLogger("ppserve.cluster")
 PREFIX = "ppserve/"
@@ -137,6 +138,11 @@ class HostRendezvous:
             return "it has a cluster key and node 0 runs with --insecure-cluster"
         if key is not None and not (join.proof and proof_matches(key, join.proof, *_join_parts(self.session, join))):
             return "its cluster key differs from node 0's" if join.proof else "it has no cluster key and node 0 has one"
+        try:  # where the node says it listens: checked before anyone connects there
+            for address in (join.control, *join.edges.values()):
+                check_address(address, "its address")
+        except AddressError as e:
+            return str(e)
         if mismatch := describe_mismatch(fingerprint, join.fingerprint):
             return f"its checkpoint differs from node 0's: {mismatch}"
         differ = [

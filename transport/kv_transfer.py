@@ -23,6 +23,7 @@ import torch
 import zmq.asyncio
 
 from ppserve.transport.control import PullSocket, PushSocket
+from ppserve.transport.peers import LogLimiter
 
 if TYPE_CHECKING:
     from ppserve.transport.cluster_key import Guard
@@ -96,6 +97,7 @@ class ZmqKvReceiver(KvReceiver):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None) -> None:
         self.pull = PullSocket(ctx, address, bind=True, guard=guard)
         self.address = self.pull.address
+        self.junk = LogLimiter(log)
 
     async def recv(self) -> tuple[KvChunk, torch.Tensor]:
         while True:
@@ -106,7 +108,7 @@ class ZmqKvReceiver(KvReceiver):
                 data = torch.frombuffer(frames[1].buffer, dtype=torch.uint8).view(dtype).view(chunk.shape)
             except (msgspec.DecodeError, AttributeError, IndexError, RuntimeError, TypeError, ValueError) as e:
                 # Not a KV chunk, or a malformed one: dropped, never written anywhere.
-                log.warning("dropped a malformed KV chunk on %s (%s: %s)", self.address, type(e).__name__, e)
+                self.junk.warning("dropped a malformed KV chunk on %s (%s: %s)", self.address, type(e).__name__, e)
                 continue
             return chunk, data.clone()  # own the memory: the frame is released after this
 
