@@ -200,6 +200,7 @@ class PrefillRooms:
             min_p=w.min_p,
             presence_penalty=w.presence_penalty,
             frequency_penalty=w.frequency_penalty,
+            repetition_penalty=w.repetition_penalty,
             seed=w.seed,
             logprobs=w.logprobs,
             prompt_logprobs=w.prompt_logprobs,  # refused by the engine here: the room fails, naming it
