@@ -1,8 +1,8 @@
 """OpenAI-compatible endpoints: POST /v1/completions and POST /v1/chat/completions.
 
-Both accept OpenAI's sampling fields (plus top_k, min_p, ignore_eos, stop_token_ids), `n`
-choices, and `stream` as server-sent events in OpenAI's chunk format, ending with
-`data: [DONE]`. Choice i of a seeded request uses seed + i (modulo 2**63, the seed's range), so
+Both accept OpenAI's sampling fields (plus top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids), `n` choices, and `stream` as server-sent events in OpenAI's chunk format,
+ending with `data: [DONE]`. Choice i of a seeded request uses seed + i (modulo 2**63, the seed's range), so
 the choices differ.
 """
 
