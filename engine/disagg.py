@@ -91,20 +91,8 @@ def _inbox(ctx: zmq.asyncio.Context, address: str, guard: Guard | None) -> PullS
 def first_token_params(w: WireSamplingParams) -> SamplingParams:
     """The prefill side's request: the decode side's sampling parameters, checked as an HTTP
     request's are (ValueError naming the field), for one token, whatever it is (the decode side
-    decides on EOS)."""
-    return SamplingParams(
-        max_tokens=1,
-        temperature=w.temperature,
-        top_k=w.top_k,
-        top_p=w.top_p,
-        min_p=w.min_p,
-        presence_penalty=w.presence_penalty,
-        frequency_penalty=w.frequency_penalty,
-        seed=w.seed,
-        logprobs=w.logprobs,
-        prompt_logprobs=w.prompt_logprobs,  # refused by the engine's check: the room is refused, naming it
-        ignore_eos=True,
-    )
+    decides on EOS). prompt_logprobs are refused by the engine's check: the room is refused, naming them."""
+    return SamplingParams.from_wire(w, max_tokens=1, ignore_eos=True)
 
 
 class _Tasks:

@@ -88,7 +88,7 @@ class LocalPipeline:
             Request(str(next(self._ids)), list(p), sp, eos, max_len) for p, sp in zip(prompts, params, strict=True)
         ]
         for r in requests:
-            self.sampler.add_request(r.request_id, r.params)
+            self.sampler.add_request(r.request_id, r.params, prompt_token_ids=r.prompt_token_ids)
         return requests
 
     def step(self, requests: Sequence[Request], chunk_size: int) -> list[tuple[Request, Sample]]:

@@ -38,7 +38,7 @@ def last_stage_outputs(
     for rid in plan.released:
         sampler.remove_request(rid)
     for new in plan.new_requests:
-        sampler.add_request(new.request_id, new.params, new.output_token_ids)
+        sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids)
     ids = [c.request_id for c in plan.chunks if c.sample]
     sampled = logits[: len(ids)] if plan.prompt_targets else logits
     samples = [

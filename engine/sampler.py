@@ -1,6 +1,7 @@
 """Sampling on the last stage: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
-Order, per row: presence/frequency penalties (over the request's generated tokens), then greedy
+Order, per row (vLLM's): the repetition penalty (over the prompt's and the generated tokens), then
+presence/frequency penalties (over the generated tokens only), then greedy
 argmax or temperature -> top-k -> top-p (on the top-k-renormalised distribution) -> min-p -> draw.
 Logprobs are of the raw model distribution (before penalties and temperature).
 
@@ -36,6 +37,8 @@ class SamplerParams(Protocol):
     @property
     def frequency_penalty(self) -> float: ...
     @property
+    def repetition_penalty(self) -> float: ...
+    @property
     def seed(self) -> int | None: ...
     @property
     def logprobs(self) -> int | None: ...
@@ -52,16 +55,27 @@ class Sample:
 
 class _RequestState:
     def __init__(
-        self, params: SamplerParams, vocab_size: int, device: torch.device, output_token_ids: Sequence[int] = ()
+        self,
+        params: SamplerParams,
+        vocab_size: int,
+        device: torch.device,
+        output_token_ids: Sequence[int] = (),
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
         self.step = len(output_token_ids)  # tokens sampled so far
-        self.counts = None
+        self.counts = None  # counts: [vocab] float32, of generated tokens
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             if output_token_ids:
                 ids = torch.tensor(list(output_token_ids), dtype=torch.long, device=device)
                 self.counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float32, device=device))
+        self.seen = None  # seen: [vocab] bool, the prompt's and the generated tokens
+        if params.repetition_penalty != 1:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            seen = [*prompt_token_ids, *output_token_ids]
+            if seen:
+                self.seen[torch.tensor(seen, dtype=torch.long, device=device)] = True
         self.generator: torch.Generator | None = None
         if params.seed is not None and params.temperature >= GREEDY_BELOW:
             self.generator = torch.Generator(device=device)
@@ -92,9 +106,18 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
 
-    def add_request(self, request_id: str, params: SamplerParams, output_token_ids: Sequence[int] = ()) -> None:
-        """`output_token_ids`: tokens the request generated before (when it is re-announced)."""
-        self._requests[request_id] = _RequestState(params, self.vocab_size, self.device, output_token_ids)
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplerParams,
+        output_token_ids: Sequence[int] = (),
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
+        """`output_token_ids`: tokens the request generated before (when it is re-announced);
+        `prompt_token_ids`: its prompt, needed only with a repetition penalty."""
+        self._requests[request_id] = _RequestState(
+            params, self.vocab_size, self.device, output_token_ids, prompt_token_ids
+        )
 
     def clear(self) -> None:
         """Forget every request (the pipeline was reset; they are announced again)."""
@@ -136,6 +159,8 @@ class Sampler:
             state.step += 1
             if state.counts is not None:
                 state.counts[token] += 1
+            if state.seen is not None:
+                state.seen[token] = True
             if raw_logprobs is None or state.params.logprobs is None:
                 out.append(Sample(token))
                 continue
@@ -149,16 +174,21 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[_RequestState]) -> torch.Tensor:
-    """logit -= frequency * count + presence * (count > 0), per row; counts of generated tokens."""
-    rows = [i for i, s in enumerate(states) if s.counts is not None]
+    """Per row: a seen token's logit divided by the repetition penalty if positive, multiplied
+    if not; then logit -= frequency * count + presence * (count > 0), counts of generated tokens."""
+    rows = [i for i, s in enumerate(states) if s.counts is not None or s.seen is not None]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
         state = states[i]
-        assert state.counts is not None
         p = state.params
-        logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).float()
+        if state.seen is not None:
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(state.seen, penalized, row)
+        if state.counts is not None:
+            logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).float()
     return logits
 
 

@@ -13,6 +13,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing by them overflows)
+# SGLang's range: a penalty beyond 2 makes every seen token (the prompt's too) nearly impossible,
+# and the output degenerates; a finite bound keeps inf and NaN out of the sampler.
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0  # OpenAI semantics: over generated tokens only
     frequency_penalty: float = 0.0
+    # vLLM / transformers semantics: over the prompt's tokens and the generated ones, a seen token's
+    # logit is divided by it when positive, multiplied when negative (1 = off).
+    repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None = off; N = chosen token plus the top N (N <= 20)
     # None = off; N = each prompt token's logprob plus the top N at its position (N <= 20). Such a
@@ -34,7 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        # Each error names its field so the HTTP layer can return it as a 400 unchanged.
+        # The one check of every range, whoever builds the params: the HTTP layer, the CLI, an
+        # embedding app, or the prefill side of disaggregation from a peer's WireSamplingParams
+        # (`from_wire`). Each error names its field so the HTTP layer can return it as a 400.
         if not _int_in(self.max_tokens, 1, MAX_INT32):
             raise ValueError(f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -49,6 +57,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"
+            )
         if self.seed is not None and not _int_in(self.seed, 0, MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS):
@@ -61,6 +73,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @classmethod
+    def from_wire(cls, w: WireSamplingParams, **fields: object) -> SamplingParams:
+        """The params a peer sent (its WireSamplingParams), checked as any request's are: a value
+        out of range is a ValueError naming the field. `fields` adds those the wire form lacks
+        (max_tokens, stop, ...)."""
+        wired = {name: getattr(w, name) for name in w.__struct_fields__}
+        return cls(**{**wired, **fields})
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +95,7 @@ class SamplingParams:
             min_p=float(self.min_p),
             presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
             seed=self.seed,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,

@@ -324,7 +324,8 @@ class Scheduler:
             r.awaiting_sample = sample
             if not r.announced:
                 r.announced = True
-                new.append(NewRequest(r.request_id, r.params.wire(), list(r.output_token_ids)))
+                prompt = list(r.prompt_token_ids) if r.params.repetition_penalty != 1 else []
+                new.append(NewRequest(r.request_id, r.params.wire(), list(r.output_token_ids), prompt))
         mb_id = self._next_mb
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill

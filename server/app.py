@@ -30,6 +30,7 @@ from ppserve.engine.outputs import RequestOutput
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server import tokens
 from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
+from ppserve.server.limits import RequestLimits
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
 from ppserve.server.security import bearer_token, browser_checks
@@ -54,6 +55,7 @@ class ServerOptions:
     host: str | None = None
     allowed_origins: tuple[str, ...] = ()  # websocket Origins besides the server's own; "*": all
     playground: bool = True  # serve the playground page at /
+    limits: RequestLimits = field(default_factory=RequestLimits)  # on the lists and strings of requests
 
 
 @dataclass

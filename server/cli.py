@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from ppserve.engine.outputs import TokenLogprob
     from ppserve.scheduler.sampling_params import SamplingParams
     from ppserve.server.app import ServerOptions
+    from ppserve.server.limits import RequestLimits
 
 EXIT_USAGE = 2
 GENERATE_MAX_TOKENS = 64  # `ppserve generate` without --max-tokens, for a model with no default of its own
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (over prompt and output)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top N logprobs (N <= 20)")
     gen.add_argument(
@@ -244,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
+    _add_limit_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
@@ -270,6 +274,39 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 600)",
     )
     return parser
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Limits on the lists and strings of a request (server/limits.py says why each default)."""
+    from ppserve.server.limits import RequestLimits
+
+    d = RequestLimits()
+    limit = functools.partial(p.add_argument, type=int, metavar="N")
+    limit("--max-stop", default=d.max_stop, help=f"stop strings per request (default {d.max_stop})")
+    limit("--max-stop-chars", default=d.max_stop_chars, help=f"characters per stop string (default {d.max_stop_chars})")
+    limit(
+        "--max-stop-token-ids",
+        default=d.max_stop_token_ids,
+        help=f"stop token ids per request (default {d.max_stop_token_ids})",
+    )
+    limit("--max-messages", default=d.max_messages, help=f"chat messages per request (default {d.max_messages})")
+    limit(
+        "--max-content-parts",
+        default=d.max_content_parts,
+        help=f"content parts per chat message (default {d.max_content_parts})",
+    )
+
+
+def _limits(args: argparse.Namespace) -> RequestLimits:
+    from ppserve.server.limits import RequestLimits
+
+    return RequestLimits(
+        max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_messages=args.max_messages,
+        max_content_parts=args.max_content_parts,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -337,6 +374,7 @@ def _generate(args: argparse.Namespace) -> None:
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
@@ -410,6 +448,7 @@ def _serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    _limits(args)  # a bad limit fails now, before anything loads
     sockets = bind_http(args.host, args.port)
     try:
         _serve_on(args, api_key, sockets)
@@ -430,6 +469,7 @@ def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socke
         host=args.host,
         allowed_origins=args.allowed_origins,
         playground=args.playground,
+        limits=_limits(args),
     )
     run_loop(_serve_until_stopped(config, options, sockets))
 

@@ -39,6 +39,7 @@ from aiohttp import WSMsgType, web
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server import tokens
 from ppserve.server.app import STATE, ServerState
+from ppserve.server.limits import check_limits, decode_request
 from ppserve.server.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_ID_CHARS,
@@ -47,7 +48,6 @@ from ppserve.server.protocol import (
     WsAuth,
     WsCancel,
     WsChat,
-    decode,
     decode_ws,
 )
 from ppserve.server.security import bearer_token
@@ -90,7 +90,7 @@ def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), GenerateRequest)
+    body = decode_request(await request.read(), GenerateRequest, state.options.limits)
     rid = f"gen-{uuid.uuid4().hex}"
     stream = await _submit(state, body, rid)
     if not body.stream:
@@ -187,6 +187,7 @@ class _Socket:
     async def _handle(self, data: str) -> None:
         try:
             msg = decode_ws(data)
+            check_limits(msg, self.state.options.limits)
         except ApiError as e:
             await self.error(e.message, _peek_id(data))
             return

@@ -1,8 +1,8 @@
 """OpenAI-compatible endpoints: POST /v1/completions and POST /v1/chat/completions.
 
-Both accept OpenAI's sampling fields (plus top_k, min_p, ignore_eos, stop_token_ids), `n`
-choices, and `stream` as server-sent events in OpenAI's chunk format, ending with
-`data: [DONE]`. Choice i of a seeded request uses seed + i (modulo 2**63, the seed's range), so
+Both accept OpenAI's sampling fields (plus top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids), `n` choices, and `stream` as server-sent events in OpenAI's chunk format,
+ending with `data: [DONE]`. Choice i of a seeded request uses seed + i (modulo 2**63, the seed's range), so
 the choices differ.
 """
 
@@ -22,7 +22,8 @@ from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens
 from ppserve.server.app import STATE, ServerState
-from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest, decode
+from ppserve.server.limits import decode_request
+from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
 from ppserve.server.streams import Stream, collect, merge, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
@@ -74,7 +75,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Body]:
     """The request body, decoded and checked, with the server state."""
     state = request.app[STATE]
-    body = decode(await request.read(), kind)
+    body = decode_request(await request.read(), kind, state.options.limits)
     body.check()
     state.check_model(body.model)
     return state, body

@@ -16,7 +16,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ppserve.scheduler.sampling_params import MAX_TOP_LOGPROBS
+from ppserve.scheduler.sampling_params import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from ppserve.server.app import STATE
+from ppserve.server.limits import RequestLimits
 from ppserve.server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
 from ppserve.server.responses import (
     ChatCompletion,
@@ -258,27 +260,26 @@ def _text(media_type: str, description: str, schema: dict[str, Any]) -> dict[str
     return {"description": description, "content": {media_type: {"schema": schema}}}
 
 
-# What the handlers and SamplingParams check beyond the Structs' types, per field and JSON type.
-# Applied only where the Struct's own schema says nothing (msgspec Meta constraints win).
+# What the handlers, SamplingParams and the server's RequestLimits check beyond the Structs'
+# types, per field and JSON type. Applied only where the Struct's own schema says nothing
+# (msgspec Meta constraints win).
 _LOG = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
 _PENALTY = {"number": {"minimum": -2, "maximum": 2}}
 _IDS = {"integer": {"minimum": 0}, "array": {"minItems": 1}}
-_LIMITS: dict[str, dict[str, dict[str, Any]]] = {
+_RANGES: dict[str, dict[str, dict[str, Any]]] = {
     "temperature": {"number": {"minimum": 0}},
     "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
     "top_k": {"integer": {"minimum": 0}},
     "min_p": {"number": {"minimum": 0, "maximum": 1}},
     "presence_penalty": _PENALTY,
     "frequency_penalty": _PENALTY,
+    "repetition_penalty": {"number": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}},
     "seed": {"integer": {"minimum": 0, "maximum": 2**63 - 1}},
-    "stop": {"string": {"minLength": 1}},
-    "stop_token_ids": {"integer": {"minimum": 0}},
     "n": {"integer": {"minimum": 1, "maximum": MAX_N}},
     "max_tokens": {"integer": {"minimum": 1}},
     "max_completion_tokens": {"integer": {"minimum": 1}},
     "logprobs": {"integer": _LOG},  # a boolean in chat: untouched
     "top_logprobs": {"integer": _LOG},
-    "messages": {"array": {"minItems": 1}},
     "text": {"string": {"minLength": 1}},
     "input_ids": _IDS,
     # OpenAI fields taken for compatibility, only when empty:
@@ -294,7 +295,20 @@ _TEXT_PART = {
 }
 
 
-def _components() -> dict[str, Any]:
+def _limits(limits: RequestLimits) -> dict[str, dict[str, dict[str, Any]]]:
+    """_RANGES plus the server's limits on lists and strings (server/limits.py)."""
+    return {
+        **_RANGES,
+        "stop": {
+            "string": {"minLength": 1, "maxLength": limits.max_stop_chars},
+            "array": {"maxItems": limits.max_stop},
+        },
+        "stop_token_ids": {"integer": {"minimum": 0}, "array": {"maxItems": limits.max_stop_token_ids}},
+        "messages": {"array": {"minItems": 1, "maxItems": limits.max_messages}},
+    }
+
+
+def _components(limits: RequestLimits) -> dict[str, Any]:
     requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest]
     responses: list[Any] = [
         ErrorResponse,
@@ -307,9 +321,10 @@ def _components() -> dict[str, Any]:
     schemas["WsMessage"] = ws_message  # the unions have no name of their own
     schemas["WsEvent"] = ws_event
     bodies = ("CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth")
+    ranges = _limits(limits)
     for name in (*bodies, "NativeSampling"):
         for field, prop in schemas[name]["properties"].items():
-            _limit(prop, _LIMITS.get(field, {}))
+            _limit(prop, ranges.get(field, {}))
     # `prompt` is `Any` in the Struct (its four forms are told apart by `prompts()`); give its real union.
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
     schemas["CompletionRequest"]["properties"]["prompt"] = {
@@ -324,18 +339,19 @@ def _components() -> dict[str, Any]:
     for branch in schemas["ChatMessage"]["properties"]["content"]["anyOf"]:
         if branch.get("type") == "array":
             branch["items"] = _TEXT_PART
+            branch["maxItems"] = limits.max_content_parts
     # /generate takes exactly one of `text` and `input_ids` (the other absent or null).
     for name in ("GenerateRequest", "WsGenerate"):
         schemas[name]["anyOf"] = [
             {"required": [given], "properties": {given: {"not": {"type": "null"}}, other: {"type": "null"}}}
             for given, other in (("text", "input_ids"), ("input_ids", "text"))
         ]
-    # `decode()` treats a top-level null as absent, so every optional field of a body takes null
-    # (not those of sampling_params, which is nested).
-    for name in bodies:
+    # `decode()` treats a null as absent, at the top level and in sampling_params, so every
+    # optional field there takes null.
+    for name in (*bodies, "NativeSampling"):
         schema = schemas[name]
         for field, prop in schema["properties"].items():
-            if field not in schema["required"] and not _nullable(prop):
+            if field not in schema.get("required", []) and not _nullable(prop):
                 schema["properties"][field] = _with_null(prop)
     return schemas
 
@@ -368,18 +384,19 @@ def _version() -> str:
         return "0.0.0"
 
 
-def openapi_schema() -> dict[str, Any]:
-    """The document, a copy of its own (it depends on no setting of the running server)."""
-    document: dict[str, Any] = msgspec.json.decode(_document())
+def openapi_schema(limits: RequestLimits | None = None) -> dict[str, Any]:
+    """The document, a copy of its own; of the server's settings, only its limits (default:
+    RequestLimits()) show in it."""
+    document: dict[str, Any] = msgspec.json.decode(_document(limits or RequestLimits()))
     return document
 
 
 @functools.cache
-def _document() -> bytes:
-    return msgspec.json.encode(_build())
+def _document(limits: RequestLimits) -> bytes:
+    return msgspec.json.encode(_build(limits))
 
 
-def _build() -> dict[str, Any]:
+def _build(limits: RequestLimits) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -393,7 +410,7 @@ def _build() -> dict[str, Any]:
         },
         "paths": _paths(),
         "components": {
-            "schemas": _components(),
+            "schemas": _components(limits),
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearerAuth": []}],
@@ -401,7 +418,7 @@ def _build() -> dict[str, Any]:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.Response(body=_document(), content_type="application/json")
+    return web.Response(body=_document(request.app[STATE].options.limits), content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,6 +10,7 @@ the app turns into OpenAI's JSON error shape.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -43,6 +44,9 @@ CompletionMaxTokens = Annotated[
 ]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+# Strings the server keeps or echoes but does not use: as short as an id. (A model name is
+# compared and echoed in the error; Hugging Face's are under 100 characters.)
+ShortText = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class ApiError(Exception):
@@ -89,6 +93,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[NonNegInt32] = []
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
 
     def sampling_params(
@@ -104,6 +109,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 min_p=self.min_p,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
                 seed=self.seed,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -116,11 +122,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 
 class _OpenAIRequest(_Sampling, kw_only=True):
-    model: str | None = None
+    model: ShortText | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: ShortText | None = None
     logit_bias: dict[str, float] | None = None
 
     def check(self) -> None:
@@ -286,14 +292,19 @@ _FIELD = re.compile(r" - at `\$\.?([A-Za-z_][\w.\[\]]*)`$")
 
 
 def decode(body: bytes | str, type_: type[T]) -> T:
-    """Decode a JSON body into `type_`; errors name the field (400). A top-level field that is
-    null counts as absent (its default), as in OpenAI's API, where clients often send nulls."""
+    """Decode a JSON body into `type_`; errors name the field (400). A field that is null counts
+    as absent (its default), as in OpenAI's API, where clients often send nulls: at the top level
+    and in `sampling_params` (/generate, the websocket). Limits: `limits.decode_request`."""
     try:
         value = msgspec.json.decode(body)
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if v is not None}
+            if isinstance(value.get("sampling_params"), dict):
+                value["sampling_params"] = {k: v for k, v in value["sampling_params"].items() if v is not None}
         return msgspec.convert(value, type=type_, strict=True)
     except msgspec.ValidationError as e:
+        if str(e).startswith("Number out of range"):  # msgspec's path is `$[...]` here: find the field
+            raise _out_of_range(body) from None
         m = _FIELD.search(str(e))
         if m is None:
             raise ApiError(400, f"invalid request: {e}") from None
@@ -303,6 +314,26 @@ def decode(body: bytes | str, type_: type[T]) -> T:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the JSON is nested too deeply") from None
+
+
+_INF_DECODER = msgspec.json.Decoder(float_hook=float)  # 1e999 -> inf rather than an error
+
+
+def _out_of_range(body: bytes | str) -> ApiError:
+    """The 400 for a number beyond float64, naming its field (only on this error path: decoding
+    every float through a Python hook is slow)."""
+    value: Any = _INF_DECODER.decode(body)
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # depth-first, iteratively (the JSON may be nested deeply)
+        path, v = stack.pop()
+        if isinstance(v, float) and math.isinf(v):
+            field = path if len(path) <= MAX_ID_CHARS else path[:MAX_ID_CHARS] + "..."
+            return ApiError(400, f"invalid {field}: a number beyond the range of a float64", field)
+        if isinstance(v, dict):
+            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
+    return ApiError(400, "invalid request: a number is out of range")
 
 
 def decode_ws(data: str) -> WsGenerate | WsChat | WsCancel | WsAuth:

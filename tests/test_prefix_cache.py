@@ -95,7 +95,7 @@ def serve(
             for rid in plan.released:
                 pipe.sampler.remove_request(rid)
             for new in plan.new_requests:
-                pipe.sampler.add_request(new.request_id, new.params, new.output_token_ids)
+                pipe.sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids)
             logits = pipe.forward(plan.chunks)
             ids = [c.request_id for c in plan.chunks if c.sample]
             samples = pipe.sampler.sample(ids, logits)
@@ -157,6 +157,22 @@ def test_outputs_equal_with_caching_on_and_off(llama_dir: Path, pp: int) -> None
         assert on.cached["full-blocks-again"] <= 3 * BLOCK  # never all 4: one token is always computed
         assert on.cached["n3-1"] > 0 and on.cached["n3-2"] > 0  # the choices share the prompt's blocks
         assert len({tuple(on.outputs[f"n3-{i}"]) for i in range(3)}) > 1  # ... yet sample apart
+
+
+def test_repetition_penalty_counts_a_cached_prompt(llama_dir: Path) -> None:
+    """The penalty covers the prompt's tokens, also those of a cached prefix, which no stage
+    computes: the last stage gets them with the request. Same output as the local pipeline
+    (which knows the prompt), with caching on and off, and unlike the unpenalised output."""
+    pipe = pipeline(llama_dir, block_size=BLOCK, num_kv_blocks=32)
+    prompt = random_prompt(random.Random(9), 3 * BLOCK + 2, pipe.config.model_config.vocab_size)
+    params = replace(GREEDY, max_tokens=12, repetition_penalty=1.8)
+    expected = pipe.generate([prompt], params)[0].token_ids
+    assert expected != pipe.generate([prompt], replace(params, repetition_penalty=1.0))[0].token_ids
+    arrivals = [Arrival(0, "first", prompt, params), Arrival(40, "again", prompt, params)]
+    on = serve(pipe, arrivals, caching=True, num_blocks=32)
+    assert on.cached["again"] > 0
+    off = serve(pipe, arrivals, caching=False, num_blocks=32)
+    assert on.outputs == off.outputs == {"first": expected, "again": expected}
 
 
 def test_every_stage_skips_the_cached_tokens(llama_dir: Path) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ppserve.engine.sampler import Sampler, filtered_probs
+from ppserve.engine.sampler import Sampler, apply_penalties, filtered_probs
 from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -76,6 +76,52 @@ def test_penalties_match_reference() -> None:
         assert token == expected
         history.append(token)
     assert set(history) == {7, 9}  # the penalty really moved the choice
+
+
+def _reference_repetition(logits: list[float], seen: set[int], penalty: float) -> list[float]:
+    """vLLM's (and transformers') rule, written out: a seen token's logit divided by the
+    penalty if positive, multiplied by it otherwise."""
+    return [(x / penalty if x > 0 else x * penalty) if i in seen else x for i, x in enumerate(logits)]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_reference(penalty: float) -> None:
+    """Over the prompt's tokens and the generated ones, applied before presence/frequency (as
+    vLLM orders them): the logprobs of a greedy request are of the raw distribution, so the
+    penalised logits are read back through a sampler with temperature 1 and a fixed seed."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, VOCAB, generator=gen) * 3
+    prompt = [3, 5, 5, 11, int(logits.argmax())]
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty, presence_penalty=0.2)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    sampler.add_request("r", params, prompt_token_ids=prompt)
+    history: list[int] = []
+    for _ in range(8):
+        ref = _reference_repetition(logits[0].tolist(), {*prompt, *history}, penalty)
+        ref = [x - (0.2 if i in history else 0.0) for i, x in enumerate(ref)]
+        got = sampler.sample(["r"], logits)[0].token_id
+        assert got == max(range(VOCAB), key=lambda i: ref[i])
+        history.append(got)
+    # The penalised logits themselves, exactly (float32 division and multiplication):
+    state = sampler._requests["r"]
+    expected = torch.tensor(_reference_repetition(logits[0].tolist(), {*prompt, *history}, penalty))
+    expected -= 0.2 * torch.tensor([float(i in history) for i in range(VOCAB)])
+    assert torch.allclose(apply_penalties(logits, [state])[0], expected, rtol=0, atol=1e-6)
+    # The prompt's best token really moved: penalised away (> 1) or kept (< 1) on the first step.
+    assert (history[0] == int(logits.argmax())) == (penalty < 1)
+
+
+def test_repetition_penalty_on_a_resumed_request() -> None:
+    """Announced again (the last stage was replaced), it carries on exactly: the prompt and the
+    tokens generated before count as seen."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0, seed=8, repetition_penalty=1.8)
+    whole = Sampler(VOCAB, torch.device("cpu"))
+    whole.add_request("r", params, prompt_token_ids=[1, 2, 3])
+    tokens = _draw(whole, ["r"], logits, 30)["r"]
+    resumed = Sampler(VOCAB, torch.device("cpu"))
+    resumed.add_request("r", params, output_token_ids=tokens[:11], prompt_token_ids=[1, 2, 3])
+    assert _draw(resumed, ["r"], logits, 19)["r"] == tokens[11:]
 
 
 def test_greedy_is_argmax_and_logprobs() -> None:
@@ -168,6 +214,10 @@ def test_sampling_follows_the_distribution() -> None:
         ("min_p", 1.5, "min_p must be"),
         ("presence_penalty", 3.0, "presence_penalty must be"),
         ("frequency_penalty", -2.5, "frequency_penalty must be"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be"),
+        ("repetition_penalty", 2.5, "repetition_penalty must be"),
+        ("repetition_penalty", float("inf"), "repetition_penalty must be"),
+        ("temperature", float("inf"), "temperature must be"),
         ("seed", -1, "seed must be"),
         ("logprobs", 21, "logprobs must be"),
         ("stop_token_ids", (1, -2), "stop_token_ids must be"),

@@ -244,3 +244,18 @@ def test_pipeline_reset_recomputes_running_requests_and_announces_them_again() -
     drain(s)
     assert all(r.finished for r in (a, b, c)) and len(a.output_token_ids) == 6
     assert s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_only_a_repetition_penalty_sends_the_prompt_to_the_last_stage() -> None:
+    """The penalty counts the prompt's tokens, which the last stage does not otherwise see (a
+    cached prefix, KV imported from a prefill server): announced with the request, once."""
+    s = make(chunk=4)
+    penalised = req("p", 6, SamplingParams(max_tokens=2, repetition_penalty=1.2, ignore_eos=True))
+    s.add(penalised)
+    s.add(req("g", 6))
+    plans = drain(s)
+    announced = {n.request_id: n for plan in plans for n in plan.new_requests}
+    assert announced["p"].prompt_token_ids == penalised.prompt_token_ids
+    assert announced["p"].params.repetition_penalty == 1.2
+    assert announced["g"].prompt_token_ids == []
+    assert sum(len(plan.new_requests) for plan in plans) == 2

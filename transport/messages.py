@@ -50,6 +50,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None
     logprobs: int | None
     prompt_logprobs: int | None = None  # top N scored at each prompt position (see PromptTargets)
+    repetition_penalty: float = 1.0  # 1 = off; otherwise NewRequest carries the prompt's token ids
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -59,6 +60,10 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     # pipeline that lost its state (a stage was replaced). Penalties count them, and a seeded
     # request's noise continues at step len(output_token_ids), so sampling carries on exactly.
     output_token_ids: list[int] = []
+    # The prompt's token ids, only for a request with a repetition penalty (which applies to the
+    # prompt's tokens too, and the last stage sees only the chunks it computes: not a cached
+    # prefix, nor KV imported from a prefill server). Empty otherwise: plans stay small.
+    prompt_token_ids: list[int] = []
 
 
 class PromptTargets(msgspec.Struct, frozen=True, array_like=True):
