@@ -1,0 +1,253 @@
+"""What a peer can do to a disaggregated pair: hostile rooms on the bootstrap port, junk on the
+room and KV sockets, a prefill server that dies mid-room. The pair keeps serving exactly, holds
+no more memory or sockets than its bounds, and frees every KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import pipeline
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_disagg import GREEDY, KEY, collect, engine
+
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.disagg import DecodeRooms, DisaggregationError, PrefillRooms
+from ppserve.transport.cluster_key import CurveKeys, Guard
+from ppserve.transport.control import PullSocket, PushSocket, context
+from ppserve.transport.messages import (
+    KvTarget,
+    Msg,
+    RoomFailed,
+    RoomFirstToken,
+    RoomOpen,
+    RoomProgress,
+    RoomState,
+    Sampled,
+    WireSamplingParams,
+)
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = 2600  # per mode (with the key, without it): over 5,000 in all
+NUM_BLOCKS = 128
+MAX_NEW_FDS = 400  # the prefill host's links are capped at 64 sockets (a few descriptors each)
+MAX_STAGE_RSS_GROWTH = 256 << 20
+PROMPT = [4, 5, 6, 7, 8, 9]
+SHORT = {"disagg_bootstrap_timeout_s": 1.0, "disagg_transfer_timeout_s": 1.0, "num_kv_blocks": NUM_BLOCKS}
+
+_junk_addresses = st.sampled_from(
+    [
+        "not an endpoint",
+        "",
+        "tcp://*:5555",
+        "tcp://0.0.0.0:1",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:99999",
+        "ipc://relative",
+        "udp://127.0.0.1:1",
+        "inproc://x",
+        "tcp://[zz]:1",
+        "tcp://-bad-:1",
+        "tcp://127.0.0.1:1\x00",
+        "x" * 5000,
+    ]
+)
+# Loopback ports below the kernel's range for outgoing connections, where nothing listens: a
+# flood of distinct, well-formed reply addresses.
+_nowhere = st.integers(20000, 29999).map(lambda port: f"tcp://127.0.0.1:{port}")
+_addresses = st.one_of(_junk_addresses, _nowhere, st.text(max_size=40))
+_floats = st.one_of(st.floats(), st.sampled_from([0.0, 0.5, 1.0]))
+_wire = st.builds(
+    WireSamplingParams,
+    temperature=_floats,
+    top_k=st.integers(-3, 2**40),
+    top_p=_floats,
+    min_p=_floats,
+    presence_penalty=_floats,
+    frequency_penalty=_floats,
+    repetition_penalty=_floats,
+    seed=st.none() | st.integers(-1, 2**63 - 1),
+    logprobs=st.none() | st.integers(-1, 100),
+    prompt_logprobs=st.none() | st.integers(-1, 30),
+)
+_names = st.one_of(st.text(max_size=12), st.sampled_from(["dup", "dup2", "r" * 1000]))
+_targets = st.lists(
+    st.builds(KvTarget, st.integers(-2, 4), _addresses, st.integers(-3, 40), st.integers(-3, 40)), max_size=4
+)
+_prompts = st.one_of(st.lists(st.integers(-10, 530), max_size=60), st.just(list(range(3000))))
+
+
+def _hostile_room(layers: int) -> st.SearchStrategy[RoomOpen]:
+    return st.builds(
+        RoomOpen,
+        _names,
+        _prompts,
+        _wire,
+        _targets,
+        st.one_of(st.just(16), st.integers(-1, 64)),
+        st.one_of(st.just(layers), st.integers(-1, 64)),
+        _addresses,
+    )
+
+
+def _decode_side_junk() -> st.SearchStrategy[Msg]:
+    sampled = st.builds(Sampled, _names, st.integers(-5, 2**40), st.none() | st.floats())
+    return st.one_of(
+        st.builds(RoomProgress, st.lists(st.builds(RoomState, _names, st.integers(-5, 9), st.text()), max_size=20)),
+        st.builds(RoomFirstToken, _names, sampled),
+        st.builds(RoomFailed, _names, st.text(max_size=3000)),
+    )
+
+
+class Peer:
+    """A stranger's sockets: PUSH to the pair's inboxes and KV ports, a PULL for replies."""
+
+    def __init__(self, key: bytes | None, p: AsyncEngine, d: AsyncEngine) -> None:
+        assert p.rooms is not None and d.rooms is not None
+        self.ctx = context()
+        self.guard = Guard(self.ctx, CurveKeys.from_secret(key), "peer") if key is not None else None
+        self.inbox = PullSocket(self.ctx, "tcp://127.0.0.1:*", bind=True, guard=self.guard)
+        self.to_prefill = PushSocket(self.ctx, p.rooms.address, bind=False, guard=self.guard)
+        self.to_decode = PushSocket(self.ctx, d.rooms.address, bind=False, guard=self.guard)
+        self.to_kv = [PushSocket(self.ctx, a, bind=False, guard=self.guard) for a in d.pool.kv_addresses]
+        self.replies = 0
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            await self.inbox.recv()
+            self.replies += 1
+
+    def close(self) -> None:
+        self.reader.cancel()
+        for sock in (self.inbox, self.to_prefill, self.to_decode, *self.to_kv):
+            sock.close()
+        if self.guard is not None:
+            self.guard.stop()
+        self.ctx.term()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def _settles(*checks: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(c() for c in checks):
+        assert asyncio.get_running_loop().time() < deadline, "the pair did not settle"
+        await asyncio.sleep(0.1)
+
+
+async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
+    expected = pipeline(llama_dir).generate([PROMPT], GREEDY)[0].token_ids
+    secure: dict[str, Any] = {} if keyed else {"disagg_insecure": True}
+    async with engine(llama_dir, "prefill", 2, **SHORT, **secure) as p, engine(llama_dir, "decode", 1, **secure) as d:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        assert await collect(d, PROMPT, GREEDY, rooms.address) == expected
+        layers, ranges = p.config.model_config.num_layers, d.config.layer_ranges
+        stage_pids = [proc.pid for proc in p.pool.procs if proc.pid is not None]
+        fds, rss = _fds(), [_rss(pid) for pid in stage_pids]
+        opened: list[str] = []
+        real_open = rooms._open
+        rooms._open = lambda msg: (opened.append(msg.room), real_open(msg))[1]  # type: ignore[method-assign]
+
+        stranger = Peer(None, p, d) if keyed else None  # no key: refused at the handshake
+        if stranger is not None:
+            for i in range(400):
+                await stranger.to_prefill.send(RoomOpen(f"nokey-{i}", PROMPT, GREEDY.wire(), [], 16, layers, "x"))
+        peer = Peer(KEY if keyed else None, p, d)
+        try:
+            valid = 0
+            for i in range(MESSAGES):
+                kind = data.draw(st.integers(0, 99), label="kind")
+                if kind < 2:  # a well-formed room whose decode stages are nowhere: it fails its transfer
+                    nowhere = data.draw(st.lists(_nowhere, min_size=len(ranges), max_size=len(ranges)))
+                    pairs = enumerate(zip(nowhere, ranges, strict=True))
+                    stages = [KvTarget(j, a, r.start, r.stop) for j, (a, r) in pairs]
+                    prompt = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=200))
+                    name = f"ok-{valid % 40}"  # names come back: some while still in use
+                    await peer.to_prefill.send(
+                        RoomOpen(name, prompt, GREEDY.wire(), stages, 16, layers, peer.inbox.address)
+                    )
+                    valid += 1
+                elif kind < 60:
+                    await peer.to_prefill.send(data.draw(_hostile_room(layers)))
+                elif kind < 68:
+                    await peer.to_prefill.send(RoomFailed(data.draw(_names), data.draw(st.text(max_size=5000))))
+                elif kind < 85:
+                    await peer.to_decode.send(data.draw(_decode_side_junk()))
+                elif kind < 93:
+                    target = data.draw(st.sampled_from([peer.to_prefill, peer.to_decode]))
+                    await target.send_frames([data.draw(st.binary(max_size=300))])
+                else:
+                    kv = data.draw(st.sampled_from(peer.to_kv))
+                    await kv.send_frames([data.draw(st.binary(max_size=80)), data.draw(st.binary(max_size=300))])
+                if i % 200 == 0:
+                    await asyncio.sleep(0)  # let the engines read as a network would
+            await _settles(
+                lambda: p.scheduler.allocator.num_free == NUM_BLOCKS and not rooms.rooms and not p.scheduler.held,
+                lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving,
+            )
+            # Still serving, exactly; nothing restarted; within bounds.
+            assert await collect(d, PROMPT, GREEDY, rooms.address) == expected
+            assert p.healthy and d.healthy and p.stage_restarts == [0, 0] and d.stage_restarts == [0]
+            assert len(rooms.links.socks) <= rooms.links.max_links
+            assert _fds() - fds < MAX_NEW_FDS, (fds, _fds())
+            for pid, before in zip(stage_pids, rss, strict=True):
+                assert _rss(pid) - before < MAX_STAGE_RSS_GROWTH
+            assert valid > 0 and sum(name.startswith("ok-") for name in opened) == valid
+            assert not any(name.startswith("nokey-") for name in opened)  # a stranger reaches nothing
+        finally:
+            peer.close()
+            if stranger is not None:
+                stranger.close()
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["with-key", "insecure"])
+@given(data=st.data())
+@settings(max_examples=1, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_hostile_peers_on_the_bootstrap_and_room_sockets(llama_dir: Path, keyed: bool, data: Any) -> None:
+    asyncio.run(_fuzz(data, llama_dir, keyed))
+
+
+async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_timeout(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill side goes silent mid-room (its host is gone): the decode side fails the room
+    after its bootstrap timeout (2 s here; its transfer timeout is 60 s), naming the prefill
+    stage and the state it went silent in, and frees the room's KV."""
+    monkeypatch.setenv("PPSERVE_DISAGG_FAULTS", "jitter_ms=20000-20000,seed=1")  # handshakes that take 20 s
+    p = await engine(llama_dir, "prefill", 1, disagg_bootstrap_timeout_s=60.0).start()
+    monkeypatch.delenv("PPSERVE_DISAGG_FAULTS")
+    try:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        async with engine(llama_dir, "decode", 1, disagg_bootstrap_timeout_s=2.0, disagg_transfer_timeout_s=60.0) as d:
+            room = asyncio.create_task(collect(d, PROMPT, GREEDY, rooms.address))
+            decode_rooms = d.rooms
+            assert isinstance(decode_rooms, DecodeRooms)
+            # Once the prefill side has said where the room stands, the error can name its stage.
+            await _settles(lambda: any(r.prefill_stage is not None for r in decode_rooms.rooms.values()))
+            await p.close()  # gone without a word
+            with pytest.raises(DisaggregationError) as failed:
+                await room
+            assert re.match(
+                r"prefill stage 0 failed in state Bootstrapping: no word from the prefill server at \S+ for 2 s",
+                str(failed.value),
+            ), failed.value
+            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
+    finally:
+        await p.close()
