@@ -219,6 +219,7 @@ class AsyncEngine:
         *,
         prefill: str | None = None,
         hold_kv: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
         engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full.
@@ -226,7 +227,10 @@ class AsyncEngine:
         Disaggregation (engine/disagg.py): on a decode engine, `prefill` (a prefill engine's
         bootstrap address) has the prompt prefilled there and its KV sent here, then decodes on
         (DisaggregationError if that fails); `hold_kv` keeps a finished request's KV for a
-        transfer (the prefill engine's own use)."""
+        transfer (the prefill engine's own use).
+
+        `cache_salt` (1 to 256 characters): only requests with the same salt, or none, share
+        cached prompt prefixes (a tenant's own); it changes no output."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
@@ -236,7 +240,7 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        request = self._request(rid, ids, params)
+        request = self._request(rid, ids, params, cache_salt)
         request.hold_kv = hold_kv
         stream = _Stream(request, self.tokenizer.detokenizer(ids))
         if prefill is None:
@@ -281,12 +285,18 @@ class AsyncEngine:
         if self._driver is not None:
             self._driver.wake()
 
-    def check_request(self, token_ids: Sequence[int], params: SamplingParams | None = None, pending: int = 0) -> None:
+    def check_request(
+        self,
+        token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        pending: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Raise what `generate` would raise for this request, without starting it: ValueError
         (naming the problem) for a prompt that cannot be served, EngineDeadError or
         EngineOverloadedError when the engine cannot take it now (`pending`: requests the caller
         has checked but not started yet, e.g. the other choices of one HTTP request)."""
-        self._request("check", list(token_ids), params or SamplingParams())
+        self._request("check", list(token_ids), params or SamplingParams(), cache_salt)
         self._check_admission(pending)
 
     def _check_admission(self, pending: int = 0) -> None:
@@ -295,7 +305,9 @@ class AsyncEngine:
         if len(self.scheduler.waiting) + pending >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
 
-    def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+    def _request(
+        self, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
         vocab = self.config.model_config.vocab_size
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
@@ -303,7 +315,7 @@ class AsyncEngine:
         if params.prompt_logprobs is not None and self.config.disaggregation:
             raise ValueError("prompt_logprobs are not supported with prefill/decode disaggregation")
         mc = self.config.model_config
-        return Request(request_id, ids, params, mc.eos_token_ids, self.config.max_model_len)
+        return Request(request_id, ids, params, mc.eos_token_ids, self.config.max_model_len, cache_salt)
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None and self._driver is not None:

@@ -226,7 +226,9 @@ class PrefillRooms:
             check_address(t.address, "a decode stage's KV address")
         slices = layer_slices(cfg.layer_ranges, [range(t.layer_start, t.layer_stop) for t in msg.decode_stages])
         params = first_token_params(msg.params)
-        self.engine.check_request(msg.prompt_token_ids, params)  # length, vocabulary, a queue with room
+        self.engine.check_request(
+            msg.prompt_token_ids, params, cache_salt=msg.cache_salt
+        )  # length, vocabulary, salt, a queue with room
         return params, slices
 
     def on_kv_status(self, status: KvStatus) -> None:
@@ -275,7 +277,8 @@ class PrefillRooms:
         msg = room.open
         try:
             sample = None
-            async for out in self.engine.generate(msg.prompt_token_ids, room.params, request_id=name, hold_kv=True):
+            prompt, salt = msg.prompt_token_ids, msg.cache_salt  # the decode side's tenant
+            async for out in self.engine.generate(prompt, room.params, request_id=name, hold_kv=True, cache_salt=salt):
                 if out.token_ids:
                     lp = out.logprobs[0] if out.logprobs else None
                     top = [(t, p) for t, p in lp.top_logprobs] if lp else []
@@ -406,6 +409,7 @@ class DecodeRooms:
                 cfg.block_size,
                 cfg.model_config.num_layers,
                 self.inbox.address,
+                request.cache_salt,
             )
             try:
                 await self.links.send(prefill, opened)

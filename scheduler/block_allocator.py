@@ -30,11 +30,22 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The identity of a full block: its tokens, chained over the block before it (so equal
     tokens at different places, or after different prefixes, differ). 128 bits of BLAKE2: a
     collision would silently serve another prefix's KV, so not Python's 64-bit `hash`. Nothing
-    else changes a block's contents here: the model, dtype and block size are fixed per cache."""
+    else changes a block's contents here: the model, dtype and block size are fixed per cache.
+    The first block's parent is None, or `salt_root(cache_salt)` for a salted request."""
     h = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16)
     if parent is not None:
         h.update(parent)
     return h.digest()
+
+
+def salt_root(cache_salt: str) -> bytes:
+    """The parent of a salted request's first block, so that every block of its chain differs
+    from those of any other salt, and of no salt (whose first block hashes fewer bytes). Its own
+    personalization makes it a different function from `block_hash`: a salt cannot be chosen to
+    equal some other prompt's chain hash and so continue that chain. Encoded with
+    "surrogatepass", so that any JSON string (lone surrogates too) is a salt, not a crash."""
+    data = cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16, person=b"ppserve.salt").digest()
 
 
 class BlockAllocator:

@@ -11,6 +11,8 @@ from enum import StrEnum
 
 from ppserve.scheduler.sampling_params import SamplingParams
 
+# Longest `cache_salt`: it is hashed once per request, but it also travels (HTTP, RoomOpen).
+MAX_CACHE_SALT_CHARS = 256
 # A prompt token's score: its logprob, and the top N (token id, logprob) at its position.
 TokenScore = tuple[float, list[tuple[int, float]]]
 
@@ -28,6 +30,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
+    # Prefix caching: only requests with the same salt (or none) share cached blocks. It changes
+    # which blocks a request may find, never its outputs, so the stages never see it.
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # in the KV cache on every stage
     block_table: list[int] = field(default_factory=list)
@@ -57,6 +62,9 @@ class Request:
                 f"prompt has {len(self.prompt_token_ids)} tokens; the model's context length is "
                 f"{self.max_model_len}, which leaves no room to generate"
             )
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ findable as soon as the plan that fills it is built: a later reader is in a late
 every stage runs after this one, or in the same plan, where each layer writes the batch's KV
 before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
 
+Cache salt: a request's `cache_salt` (a tenant, or a client's own choice) roots the hash chain of
+its blocks, so only requests with the same salt (or none) share cached prefixes.
+
 Prompt logprobs: a request that asks for them computes its whole prompt, since a cached prefix
 has no logits; it never starts from cached blocks (it still registers the blocks it fills, for
 others). Each of its chunks carries the prompt tokens its rows predict (`PromptTargets`), minus
@@ -37,7 +40,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ppserve.scheduler.block_allocator import BlockAllocator, block_hash
+from ppserve.scheduler.block_allocator import BlockAllocator, block_hash, salt_root
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.request import FinishReason, Request
@@ -240,7 +243,12 @@ class Scheduler:
         """Extend r.block_hashes to its first `num_blocks` full blocks."""
         bs = self.config.block_size
         for i in range(len(r.block_hashes), num_blocks):
-            parent = r.block_hashes[i - 1] if i else None
+            # The salt roots the chain: requests of different salts (tenants) never find each
+            # other's blocks, so cache hits and their timing say nothing across tenants.
+            if i:
+                parent: bytes | None = r.block_hashes[i - 1]
+            else:
+                parent = None if r.cache_salt is None else salt_root(r.cache_salt)
             r.block_hashes.append(block_hash(parent, r.token_slice(i * bs, (i + 1) * bs)))
 
     def _cached_prefix(self, r: Request) -> list[int]:

@@ -13,7 +13,6 @@ stream, with metrics) is `ServerState.submit`.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import weakref
@@ -35,6 +34,7 @@ from ppserve.server.metrics import ServerMetrics
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
 from ppserve.server.security import bearer_token, browser_checks
 from ppserve.server.streams import as_api_error
+from ppserve.server.tenants import PrefixCacheScope, Tenant, Tenants
 from ppserve.transport.cluster_key import route_proof_matches
 from ppserve.transport.peers import AddressError, check_address
 
@@ -48,6 +48,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/"})
 class ServerOptions:
     served_model_name: str = "ppserve"
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # more keys, one per tenant (server/tenants.py), besides api_key
+    # Who shares cached prompt prefixes: requests of one API key ("api-key"), or everyone ("shared");
+    # a request's `cache_salt` separates further either way.
+    prefix_cache_scope: PrefixCacheScope = "api-key"
     max_body_bytes: int = 16 * 2**20
     shutdown_timeout_s: float = 10.0  # on shutdown, requests in flight may finish for this long
     # The address the server listens on: bound to loopback, it answers only loopback Host names
@@ -56,6 +60,11 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # websocket Origins besides the server's own; "*": all
     playground: bool = True  # serve the playground page at /
     limits: RequestLimits = field(default_factory=RequestLimits)  # on the lists and strings of requests
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every API key the server accepts (none: it accepts any request)."""
+        return tuple(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
 
 
 @dataclass
@@ -67,19 +76,28 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     websockets: weakref.WeakSet[web.WebSocketResponse] = field(default_factory=weakref.WeakSet)
     metrics: ServerMetrics = field(init=False)
+    tenants: Tenants = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.stats)
+        self.tenants = Tenants(self.options.keys, self.options.prefix_cache_scope)
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
     def key_matches(self, given: bytes) -> bool:
-        """Whether `given` is the API key (always, if the server has none). Constant-time, so
-        response timing says nothing about the key; bytes, so any header or JSON string (even
-        one with lone surrogates, through "surrogatepass") compares unequal rather than crash."""
-        key = self.options.api_key
-        return not key or hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
+        """Whether `given` is one of the API keys (always, if the server has none); constant-time,
+        on bytes (Tenants.match)."""
+        return self.tenants.match(given) is not None
+
+    def cache_salt(self, tenant: Tenant | None, salt: str | None) -> str | None:
+        """The cache salt the engine gets for a request of `tenant` (None: the request was let in
+        without a key, which only a server without keys does) with the client's own `salt`."""
+        if tenant is None:
+            if self.tenants.keyed:  # never reached through the auth middleware; fail closed
+                raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+            return salt
+        return self.tenants.cache_salt(tenant, salt)
 
     def health(self) -> tuple[Literal["ok", "recovering", "unhealthy"], str | None]:
         """The status word of /health, and why it is unhealthy."""
@@ -143,20 +161,27 @@ class ServerState:
         return requested
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, pending: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        pending: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check the request now (so errors come before any response is sent), then stream it.
-        `pending`: streams of the same HTTP request submitted before this one (not queued yet)."""
+        `pending`: streams of the same HTTP request submitted before this one (not queued yet).
+        `cache_salt`: the engine's (`cache_salt` above), not the client's."""
         engine = self.ready
         try:
-            engine.check_request(prompt_ids, params, pending)
+            engine.check_request(prompt_ids, params, pending, cache_salt)
         except ValueError as e:  # the prompt cannot be served (length, token ids)
             message = str(e) if "prompt" in str(e) else f"invalid prompt: {e}"
             raise ApiError(400, message, "prompt") from None
         except (EngineOverloadedError, EngineDeadError) as e:
             raise as_api_error(e) from None
         prefill = PREFILL_AT.get()
-        return self.metrics.track(engine.generate(prompt_ids, params, request_id, prefill=prefill))
+        stream = engine.generate(prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt)
+        return self.metrics.track(stream)
 
     def disaggregation(self) -> dict[str, str] | None:
         """This server's side of a disaggregated pair, for /health (a router reads it)."""
@@ -167,6 +192,8 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# The tenant whose key a request carried (set by the auth middleware on every keyed path).
+TENANT = web.RequestKey("tenant", Tenant)
 # Disaggregation: a router names the prefill server of a request sent to a decode server here.
 PREFILL_HEADER = "X-PPServe-Prefill"
 PREFILL_PROOF_HEADER = "X-PPServe-Prefill-Proof"  # transport/cluster_key.py's route_proof
@@ -244,10 +271,11 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if not (request.path in OPEN_PATHS or _browser_websocket(request)) and not request.app[STATE].key_matches(
-        bearer_token(request.headers.get("Authorization", ""))
-    ):
-        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+    if not (request.path in OPEN_PATHS or _browser_websocket(request)):
+        tenant = request.app[STATE].tenants.match(bearer_token(request.headers.get("Authorization", "")))
+        if tenant is None:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+        request[TENANT] = tenant
     prefill = request.headers.get(PREFILL_HEADER)
     if prefill is None:
         return await handler(request)
@@ -318,7 +346,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """Admin: forget every cached prompt prefix (requests running keep their KV). It slows
     everyone's next requests, so it needs the API key: a server without one refuses it."""
     state = request.app[STATE]
-    if not state.options.api_key:
+    if not state.tenants.keyed:
         raise ApiError(403, "/flush_cache is an admin endpoint: start the server with --api-key to use it")
     return web.json_response({"freed_blocks": state.ready.scheduler.flush_cache()})
 

@@ -153,16 +153,17 @@ def _parse_origins(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--allowed-origins: ")) from None
 
 
-def _read_key_file(path: str) -> str:
-    """The API key: the first line of `path`, stripped. A missing or empty file is a usage error."""
+def _read_key_file(path: str) -> list[str]:
+    """The API keys: one per non-empty line of `path`, stripped (one tenant each). A missing
+    file, or one without a key, is a usage error."""
     try:
         with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
+            keys = [line.strip() for line in f if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--api-key-file: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    if not key:
-        raise ValueError(f"--api-key-file: the first line of {path} is empty")
-    return key
+    if not keys:
+        raise ValueError(f"--api-key-file: {path} is empty (it needs one key per line)")
+    return keys
 
 
 def _parse_latency(text: str) -> tuple[float, float, float]:
@@ -213,14 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
     key = serve.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY, or --api-key-file)",
+        help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY, or --api-key-file); repeat it for "
+        "several keys, one tenant each",
     )
     key.add_argument(
         "--api-key-file",
         default=None,
         metavar="PATH",
-        help="read the API key from the first line of PATH (unlike --api-key, not visible in the process list)",
+        help="read the API keys from PATH, one per non-empty line (unlike --api-key, not visible in the process list)",
+    )
+    serve.add_argument(
+        "--prefix-cache-scope",
+        choices=["api-key", "shared"],
+        default="api-key",
+        help="who shares cached prompt prefixes: requests with the same API key (a tenant), or all; a request's "
+        "cache_salt separates further either way (default: api-key)",
     )
     serve.add_argument(
         "--allowed-origins",
@@ -445,19 +455,21 @@ def _serve(args: argparse.Namespace) -> None:
         serve_node(_engine_config(args))
     # Before loading anything: a bad key file or a port in use fails in a moment, not after the
     # stages start.
-    api_key = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else None)
+    api_keys = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else [])
+    if any(not key.strip() for key in api_keys):
+        raise ValueError("--api-key must not be empty")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _limits(args)  # a bad limit fails now, before anything loads
     sockets = bind_http(args.host, args.port)
     try:
-        _serve_on(args, api_key, sockets)
+        _serve_on(args, api_keys, sockets)
     finally:
         for sock in sockets:  # aiohttp closes those it served on; this is for a failed start
             sock.close()
 
 
-def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socket.socket]) -> None:
+def _serve_on(args: argparse.Namespace, api_keys: list[str], sockets: list[socket.socket]) -> None:
     from ppserve.server.app import ServerOptions
     from ppserve.server.demo import model_name
 
@@ -465,7 +477,9 @@ def _serve_on(args: argparse.Namespace, api_key: str | None, sockets: list[socke
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or model_name(args.model),
-        api_key=api_key or os.environ.get("PPSERVE_API_KEY") or None,
+        # The variable holds one key (several tenants: --api-key-file).
+        api_keys=tuple(api_keys) or tuple(filter(None, [os.environ.get("PPSERVE_API_KEY")])),
+        prefix_cache_scope=args.prefix_cache_scope,
         host=args.host,
         allowed_origins=args.allowed_origins,
         playground=args.playground,

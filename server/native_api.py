@@ -20,7 +20,8 @@ upgrade, or, if it cannot set headers (a browser), as its first message, `auth`.
 opened without the header must send `auth` with the right key within AUTH_TIMEOUT_S and before
 anything else; otherwise it gets an error event and is closed with code 4401. A later `auth`
 is answered `auth_ok` if its key is right (always, on a server without a key), else with an error
-event; the socket stays open either way.
+event; the socket stays open either way. The socket's requests belong to the tenant of the last
+key it proved (server/tenants.py), and `generate` and `chat` take a `cache_salt` as /generate does.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from aiohttp import WSMsgType, web
 
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server import tokens
-from ppserve.server.app import STATE, ServerState
+from ppserve.server.app import STATE, TENANT, ServerState
 from ppserve.server.limits import check_limits, decode_request
 from ppserve.server.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -52,6 +53,7 @@ from ppserve.server.protocol import (
 )
 from ppserve.server.security import bearer_token
 from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
+from ppserve.server.tenants import Tenant
 
 log = logging.getLogger("ppserve.server")
 AUTH_TIMEOUT_S = 10.0  # a socket without the key is closed this soon, so none is held open without it
@@ -67,7 +69,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ws", websocket)
 
 
-async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id: str) -> Stream:
+async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id: str, tenant: Tenant | None) -> Stream:
+    salt = state.cache_salt(tenant, body.cache_salt)  # before any tokenizing: a refusal costs nothing
     default: int | None = DEFAULT_MAX_TOKENS
     if isinstance(body, WsChat):
         ids = await tokens.encode_chat(state.ready.tokenizer, body.chat_messages(), True, state.config.max_model_len)
@@ -75,7 +78,7 @@ async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id
     else:
         ids = await state.encode(body.prompt(), "text")
     params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=default))
-    return state.submit(ids, params, request_id)
+    return state.submit(ids, params, request_id, cache_salt=salt)
 
 
 def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
@@ -92,7 +95,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = decode_request(await request.read(), GenerateRequest, state.options.limits)
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = await _submit(state, body, rid)
+    stream = await _submit(state, body, rid, request.get(TENANT))
     if not body.stream:
         (r,) = await collect([stream])
         result: dict[str, Any] = {
@@ -128,9 +131,11 @@ def _logprob(token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) 
 class _Socket:
     """One websocket connection: its requests run as tasks; sends are serialized."""
 
-    def __init__(self, state: ServerState, ws: web.WebSocketResponse) -> None:
+    def __init__(self, state: ServerState, ws: web.WebSocketResponse, tenant: Tenant | None) -> None:
         self.state = state
         self.ws = ws
+        # Whose key the socket proved: its requests are that tenant's (None until it does).
+        self.tenant = tenant
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.notices: set[asyncio.Task[None]] = set()  # "done" events for requests cancelled before they ran
         self.lock = asyncio.Lock()
@@ -180,9 +185,13 @@ class _Socket:
         return isinstance(msg, WsAuth) and self._is_key(msg)
 
     def _is_key(self, msg: WsAuth) -> bool:
-        # Compared exactly as the Authorization header is (the header's token is stripped of
-        # its framing whitespace; a JSON string has none).
-        return self.state.key_matches(msg.api_key.encode("utf-8", "surrogatepass"))
+        """Whether the message carries a key; if so, the socket's requests from now on are that
+        key's tenant's. Compared exactly as the Authorization header is (the header's token is
+        stripped of its framing whitespace; a JSON string has none)."""
+        tenant = self.state.tenants.match(msg.api_key.encode("utf-8", "surrogatepass"))
+        if tenant is not None:
+            self.tenant = tenant
+        return tenant is not None
 
     async def _handle(self, data: str) -> None:
         try:
@@ -208,7 +217,7 @@ class _Socket:
             await self.error(f"id {msg.id!r} is already in use on this socket", msg.id)
             return
         try:
-            stream = await _submit(self.state, msg, self.prefix + msg.id)
+            stream = await _submit(self.state, msg, self.prefix + msg.id, self.tenant)
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
@@ -263,10 +272,11 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=30.0)
     await ws.prepare(request)
     state.websockets.add(ws)
-    sock = _Socket(state, ws)
+    # Without the header (let in by the auth middleware), the key must come first; a server
+    # without keys lets everyone in as its one tenant.
+    sock = _Socket(state, ws, state.tenants.match(bearer_token(request.headers.get("Authorization", ""))))
     try:
-        # Without the header (let in by the auth middleware), the key must come first.
-        if state.key_matches(bearer_token(request.headers.get("Authorization", ""))) or await sock.authenticate():
+        if sock.tenant is not None or await sock.authenticate():
             async for message in ws:
                 if message.type == WSMsgType.TEXT:
                     await sock.handle(message.data)

@@ -21,7 +21,7 @@ from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens
-from ppserve.server.app import STATE, ServerState
+from ppserve.server.app import STATE, TENANT, ServerState
 from ppserve.server.limits import decode_request
 from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
 from ppserve.server.streams import Stream, collect, merge, sse_response
@@ -39,15 +39,19 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
 
 
-def _choices(state: ServerState, ids: list[int], params: SamplingParams, n: int, rid: str, first: int) -> list[Stream]:
+def _choices(
+    state: ServerState, ids: list[int], params: SamplingParams, n: int, rid: str, first: int, salt: str | None
+) -> list[Stream]:
     """n streams of one prompt; a seeded request gets seed + i for choice i, wrapped into the
-    seed's range (so choice 0 keeps the seed as given, and the largest seed still works)."""
+    seed's range (so choice 0 keeps the seed as given, and the largest seed still works).
+    `salt`: the engine's cache salt (ServerState.cache_salt)."""
     return [
         state.submit(
             ids,
             replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) if params.seed is not None else params,
             f"{rid}-{first + i}",
             pending=first + i,  # the choices before this one are checked but not queued yet
+            cache_salt=salt,
         )
         for i in range(n)
     ]
@@ -72,17 +76,17 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 # ---- /v1/completions ----------------------------------------------------------------------
 
 
-async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Body]:
-    """The request body, decoded and checked, with the server state."""
+async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Body, str | None]:
+    """The request body, decoded and checked, with the server state and the engine's cache salt."""
     state = request.app[STATE]
     body = decode_request(await request.read(), kind, state.options.limits)
     body.check()
     state.check_model(body.model)
-    return state, body
+    return state, body, state.cache_salt(request.get(TENANT), body.cache_salt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state, body = await _read(request, CompletionRequest)
+    state, body, salt = await _read(request, CompletionRequest)
     if body.prompt_logprobs is not None and state.config.disaggregation:
         raise ApiError(
             400, "echo with logprobs (prompt logprobs) is not supported with prefill/decode disaggregation", "echo"
@@ -111,7 +115,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             )
         max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
         params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
-        streams += _choices(state, ids, params, body.n, rid, len(streams))
+        streams += _choices(state, ids, params, body.n, rid, len(streams), salt)
         text = ""  # echo only: decoding a long token-id prompt is not free
         if body.echo:
             text = prompt if isinstance(prompt, str) else await tokens.decode(tokenizer, ids)
@@ -214,7 +218,7 @@ def _echo_logprobs(tokenizer: Tokenizer, ids: list[int], prompt: list[TokenLogpr
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, body = await _read(request, ChatRequest)
+    state, body, salt = await _read(request, ChatRequest)
     tokenizer = state.ready.tokenizer
     state.check_count(body.n, "n")
     ids = await tokens.encode_chat(
@@ -224,7 +228,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = _choices(state, ids, params, body.n, rid, 0)
+    streams = _choices(state, ids, params, body.n, rid, 0, salt)
     base = _header(state, rid, "chat.completion")
     if not body.stream:
         results = await collect(streams)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS
 from ppserve.scheduler.sampling_params import MAX_INT32, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
@@ -47,6 +48,16 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 # Strings the server keeps or echoes but does not use: as short as an id. (A model name is
 # compared and echoed in the error; Hugging Face's are under 100 characters.)
 ShortText = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+# vLLM's field: only requests with the same salt (and, by default, the same API key) share cached
+# prompt prefixes (server/tenants.py).
+CacheSalt = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="only requests with the same cache_salt (and API key) share cached prompt prefixes",
+    ),
+]
 
 
 class ApiError(Exception):
@@ -128,6 +139,7 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     stream_options: StreamOptions | None = None
     user: ShortText | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: CacheSalt | None = None
 
     def check(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -244,6 +256,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input_ids: list[int] | None = None  # range: `prompt()`, in the words the prompt field uses
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
+    cache_salt: CacheSalt | None = None
 
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
@@ -269,6 +282,7 @@ class WsChat(msgspec.Struct, tag="chat", kw_only=True, forbid_unknown_fields=Tru
     id: RequestId
     messages: list[ChatMessage]
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+    cache_salt: CacheSalt | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_dicts(self.messages)

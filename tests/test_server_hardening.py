@@ -134,7 +134,7 @@ def test_browser_requests_are_refused(live_server: LiveServer) -> None:
 def keyed_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """The API key from a file, one allowed origin, and a waiting queue of 2."""
     key_file = tmp_path_factory.mktemp("key") / "key"
-    key_file.write_text("  from-a-file  \nsecond line is ignored\n")
+    key_file.write_text("  from-a-file  \n\nsecond-key\n")  # one key per non-empty line
     flags = ["--api-key-file", str(key_file), "--allowed-origins", "https://app.example", "--max-waiting-requests", "2"]
     server = LiveServer(llama_dir, *flags, "--kv-cache-gb", "0.02", api_key=None)
     server.api_key = "from-a-file"  # what requests send from now on

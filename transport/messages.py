@@ -247,6 +247,10 @@ class RoomOpen(Msg, frozen=True):
     block_size: int
     num_layers: int
     reply_to: str  # the decode host's room inbox
+    # The request's effective cache salt (its tenant's, as the decode host derived it): the
+    # prefill host looks up and registers the prompt's blocks under it. Last, with a default, so
+    # that a RoomOpen without it still decodes (then: no salt).
+    cache_salt: str | None = None
 
 
 class RoomFirstToken(Msg, frozen=True):
