@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from helpers import pipeline
 from hypothesis import HealthCheck, given, settings
@@ -257,3 +258,105 @@ async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_t
             await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
     finally:
         await p.close()
+
+
+class Insider:
+    """A peer that holds the key (the decode side, or whoever stole its key): one PUSH to the
+    prefill host, one PULL for its replies."""
+
+    def __init__(self, rooms: PrefillRooms) -> None:
+        self.ctx = context()
+        self.guard = Guard(self.ctx, CurveKeys.from_secret(KEY), "insider")
+        self.inbox = PullSocket(self.ctx, "tcp://127.0.0.1:*", bind=True, guard=self.guard)
+        self.link = PushSocket(self.ctx, rooms.address, bind=False, guard=self.guard)
+
+    async def reply(self, room: str) -> RoomFailed | RoomFirstToken:
+        """The next word about `room` (progress reports skipped)."""
+        while True:
+            msg = await asyncio.wait_for(self.inbox.recv(), 30)
+            if isinstance(msg, (RoomFailed, RoomFirstToken)) and msg.room == room:
+                return msg
+
+    def close(self) -> None:
+        self.link.close()
+        self.inbox.close()
+        self.guard.stop()
+        self.ctx.term()
+
+
+def _room(p: AsyncEngine, name: str, reply_to: str, **changes: Any) -> RoomOpen:
+    stages = [KvTarget(0, "tcp://127.0.0.1:21000", 0, p.config.model_config.num_layers)]
+    room = RoomOpen(name, PROMPT, GREEDY.wire(), stages, 16, p.config.model_config.num_layers, reply_to)
+    return msgspec.structs.replace(room, **changes)
+
+
+async def test_a_reply_address_that_is_not_one_is_dropped_and_the_engine_serves_on(
+    llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item: one room whose reply_to was "not an endpoint" killed the prefill engine, and every
+    junk message was a WARNING line of its own."""
+    expected = pipeline(llama_dir).generate([PROMPT], GREEDY)[0].token_ids
+    async with engine(llama_dir, "prefill", 1) as p, engine(llama_dir, "decode", 1) as d:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        insider = Insider(rooms)
+        try:
+            for i in range(50):
+                await insider.link.send(_room(p, f"bad-{i}", "not an endpoint"))
+            await insider.link.send(_room(p, "probe", insider.inbox.address, prompt_token_ids=[]))
+            answer = await insider.reply("probe")  # read in order: all 50 were seen before it
+            assert isinstance(answer, RoomFailed) and "refused the room" in answer.error
+            assert p.healthy and not rooms.rooms
+            assert await collect(d, PROMPT, GREEDY, rooms.address) == expected
+            dropped = [r for r in caplog.records if "dropped room" in r.getMessage()]
+            assert len(dropped) == 1 and "more like it" not in dropped[0].getMessage()  # one line per 10 s
+        finally:
+            insider.close()
+
+
+async def test_a_flood_of_reply_addresses_holds_a_bounded_number_of_sockets(llama_dir: Path) -> None:
+    """Item: 3,000 refused rooms, each with its own reply_to, took the prefill host from 51 to
+    1,071 descriptors and then killed it (one socket per address, kept forever)."""
+    async with engine(llama_dir, "prefill", 1, disagg_bootstrap_timeout_s=1.0) as p:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        insider = Insider(rooms)
+        fds = _fds()
+        try:
+            for i in range(3000):  # refused (no prompt), answered at an address where nobody listens
+                await insider.link.send(_room(p, f"r{i}", f"tcp://127.0.0.1:{20000 + i}", prompt_token_ids=[]))
+            await insider.link.send(_room(p, "probe", insider.inbox.address, prompt_token_ids=[]))
+            await insider.reply("probe")
+            assert len(rooms.links.socks) <= rooms.links.max_links and _fds() - fds < MAX_NEW_FDS
+            await _settles(lambda: not rooms.tasks.running)  # every undeliverable reply given up
+            assert p.healthy and _fds() - fds < MAX_NEW_FDS
+        finally:
+            insider.close()
+
+
+async def test_a_room_with_bad_fields_is_refused_by_name_and_its_name_is_free_again(llama_dir: Path) -> None:
+    """Item: a room with a NaN temperature got no reply and kept its name "in use" forever; a bad
+    decode-stage address was an exception in a task and a 30 s wait."""
+    nan = msgspec.structs.replace(GREEDY.wire(), temperature=float("nan"))
+    async with engine(llama_dir, "prefill", 1) as p:
+        rooms = p.rooms
+        assert isinstance(rooms, PrefillRooms)
+        insider = Insider(rooms)
+        try:
+            at, layers = insider.inbox.address, p.config.model_config.num_layers
+            refusals = {
+                "temperature must be": _room(p, "x", at, params=nan),
+                "not a host name": _room(p, "x", at, decode_stages=[KvTarget(0, "tcp://*:1", 0, layers)]),
+                "outside the vocabulary": _room(p, "x", at, prompt_token_ids=[1, 10**6]),
+                "do not cover its layers": _room(p, "x", at, decode_stages=[KvTarget(0, "tcp://h:1", 0, 1)]),
+                "name has 1 to 256": _room(p, "x" * 300, at),
+            }
+            for reason, room in refusals.items():
+                await insider.link.send(room)
+                answer = await insider.reply(room.room)
+                assert isinstance(answer, RoomFailed) and reason in answer.error, (reason, answer)
+            assert not rooms.rooms and p.healthy  # and "x" can be used again:
+            await insider.link.send(_room(p, "x", at))
+            assert isinstance(await insider.reply("x"), RoomFirstToken)
+        finally:
+            insider.close()
