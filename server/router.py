@@ -123,7 +123,8 @@ async def route(request: web.Request) -> web.StreamResponse:
             await out.write_eof()
             return out
     except (aiohttp.ClientError, TimeoutError) as e:
-        why = f"decode server {decode.url} failed: {e or f'sent nothing for {router.read_timeout_s:g} s'}"
+        gap = f"sent nothing for {router.read_timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
+        why = f"decode server {decode.url} failed: {gap or type(e).__name__}"
         if out is None:
             raise ApiError(503, why, headers={"Retry-After": "1"}) from None
         # The answer has begun: a stream ends with an error event and [DONE], as the server's own do.
