@@ -28,8 +28,9 @@ from types import TracebackType
 import zmq
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.disagg import DecodeRooms, PrefillRooms
+from ppserve.engine.disagg_decode import DecodeRooms
 from ppserve.engine.disagg_faults import DisaggFaults
+from ppserve.engine.disagg_prefill import PrefillRooms
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.restart_budget import RestartBudget
 from ppserve.engine.stage_pool import StageError, StagePool

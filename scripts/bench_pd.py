@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
-from ppserve.engine.disagg import PrefillRooms  # noqa: E402
+from ppserve.engine.disagg_prefill import PrefillRooms  # noqa: E402
 from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
