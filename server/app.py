@@ -29,6 +29,7 @@ from ppserve.engine.outputs import RequestOutput
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server import tokens
 from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
+from ppserve.server.connections import CONNECTIONS, ConnectionGuard, connection_limits, read_body
 from ppserve.server.limits import RequestLimits
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
@@ -39,9 +40,10 @@ from ppserve.transport.cluster_key import route_proof_matches
 from ppserve.transport.peers import AddressError, check_address
 
 log = logging.getLogger("ppserve.server")
-# No API key needed: probes, scrapers, docs, and the playground page (it holds no secrets; what it
-# fetches needs the key).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/"})
+# No API key needed: probes, docs, and the playground page (it holds no secrets; what it fetches
+# needs the key). /metrics needs it unless `metrics_public`: its counters tell how busy the server
+# is and how often prompts share a cached prefix.
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/"})
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,25 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # websocket Origins besides the server's own; "*": all
     playground: bool = True  # serve the playground page at /
     limits: RequestLimits = field(default_factory=RequestLimits)  # on the lists and strings of requests
+    metrics_public: bool = False  # /metrics without the API key (scrapers that cannot send one)
+    # Client connections (see connections.py). Keep-alive: longer than common clients keep an idle
+    # connection pooled (httpx 5 s, aiohttp 15 s), so they drop it first and never send a request
+    # on a connection the server is closing; behind a load balancer, set it above the balancer's.
+    keepalive_timeout_s: float = 30.0
+    read_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
+    max_connections: int = 4096  # open at once; past it, 503 (but /health) and close
 
     @property
     def keys(self) -> tuple[str, ...]:
         """Every API key the server accepts (none: it accepts any request)."""
         return tuple(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
+
+    def __post_init__(self) -> None:
+        for name, flag in (("keepalive_timeout_s", "--keepalive-timeout"), ("read_timeout_s", "--read-timeout")):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} ({flag}) must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections (--max-connections) must be >= 1, got {self.max_connections}")
 
 
 @dataclass
@@ -207,10 +223,24 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     options = options or ServerOptions()
     quiet_client_errors()
     checks = browser_checks(options.host, options.allowed_origins)
-    app = web.Application(client_max_size=options.max_body_bytes, middlewares=[json_errors, checks, _auth])
+    guard = ConnectionGuard(options.read_timeout_s, options.max_connections)
+    app = web.Application(
+        client_max_size=options.max_body_bytes,
+        # Refusals that must close the connection come first; the body is read only once the
+        # request passed the checks and auth.
+        middlewares=[
+            connection_limits(guard, options.max_body_bytes),
+            json_errors,
+            checks,
+            _auth,
+            read_body(options.read_timeout_s),
+        ],
+        handler_args={"keepalive_timeout": options.keepalive_timeout_s},
+    )
     app[STATE] = ServerState(config, options)
+    app[CONNECTIONS] = guard
     app.cleanup_ctx.append(_engine_lifetime)
-    app.on_shutdown.append(_on_shutdown)
+    app.on_shutdown.append(shut_down)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
@@ -234,10 +264,14 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         await engine.close()
 
 
-async def _on_shutdown(app: web.Application) -> None:
-    """Runs before aiohttp waits for open handlers: refuse new requests, let those in flight
-    finish within the drain window, then stop the engine (streams still open end with an error)."""
+async def shut_down(app: web.Application) -> None:
+    """Refuse new requests, let those in flight finish within the drain window, then stop the
+    engine (streams still open end with an error). Call it while the server still listens, so
+    that /health says 503 meanwhile (`ppserve serve` does); aiohttp's own shutdown calls it too,
+    but only after it stopped listening (for `web.run_app`). Once is enough."""
     state = app[STATE]
+    if state.shutting_down:
+        return
     state.shutting_down = True
     if state.engine is not None:
         if not await state.engine.drain(state.options.shutdown_timeout_s):
@@ -271,8 +305,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if not (request.path in OPEN_PATHS or _browser_websocket(request)):
-        tenant = request.app[STATE].tenants.match(bearer_token(request.headers.get("Authorization", "")))
+    state = request.app[STATE]
+    open_path = request.path in OPEN_PATHS or (request.path == "/metrics" and state.options.metrics_public)
+    if not (open_path or _browser_websocket(request)):
+        tenant = state.tenants.match(bearer_token(request.headers.get("Authorization", "")))
         if tenant is None:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
         request[TENANT] = tenant

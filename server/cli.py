@@ -258,6 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
     _add_limit_flags(serve)
+    serve.add_argument(
+        "--keepalive-timeout", type=float, default=30.0, metavar="S", help="close idle connections after S (default 30)"
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a request's headers, then its body, must arrive within this (default 30)",
+    )
+    serve.add_argument(
+        "--max-connections", type=int, default=4096, metavar="N", help="past N open connections, 503 (default 4096)"
+    )
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
@@ -474,6 +488,8 @@ def _serve_on(args: argparse.Namespace, api_keys: list[str], sockets: list[socke
     from ppserve.server.demo import model_name
 
     config = _engine_config(args, args.max_waiting_requests)
+    from ppserve.server.connections import raise_fd_limit
+
     options = ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or model_name(args.model),
@@ -484,7 +500,12 @@ def _serve_on(args: argparse.Namespace, api_keys: list[str], sockets: list[socke
         allowed_origins=args.allowed_origins,
         playground=args.playground,
         limits=_limits(args),
+        metrics_public=args.metrics_public,
+        keepalive_timeout_s=args.keepalive_timeout,
+        read_timeout_s=args.read_timeout,
+        max_connections=args.max_connections,
     )
+    raise_fd_limit(options.max_connections)
     run_loop(_serve_until_stopped(config, options, sockets))
 
 
@@ -492,14 +513,15 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
     """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
     from aiohttp import web
 
-    from ppserve.server.app import STATE, create_app
+    from ppserve.server.app import STATE, create_app, shut_down
+    from ppserve.server.connections import GuardedSite
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    # Handlers get the drain window (inside on_shutdown) plus a moment to write their last events.
+    # After the drain (shut_down, below), handlers get a moment to write their last events.
     runner = web.AppRunner(
         create_app(config, options), handler_cancellation=True, shutdown_timeout=options.shutdown_timeout_s + 5.0
     )
@@ -517,7 +539,7 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
         stopped.cancel()
         setup.result()
         for sock in sockets:
-            await web.SockSite(runner, sock).start()
+            await GuardedSite(runner, sock).start()
         for addr in runner.addresses:
             h, p = addr[0], addr[1]
             url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
@@ -533,6 +555,9 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
             print(f"ppserve: {pd['mode']} side of a disaggregated pair; bootstrap at {pd['bootstrap']}", flush=True)
         await stop.wait()
         print("ppserve: shutting down", flush=True)
+        # Drain while still listening, so that /health answers 503 meanwhile (runner.cleanup
+        # stops listening first, then shuts the app down).
+        await shut_down(runner.app)
     finally:
         await runner.cleanup()
 

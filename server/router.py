@@ -215,12 +215,15 @@ async def metrics(request: web.Request) -> web.Response:
         lines.append(f"ppserve_router_requests_total{{{label}}} {b.routed}")
     seen: set[str] = set()
     assert router.session is not None
+    # The servers' /metrics need their API key (unless --metrics-public): the scraper's passes through.
+    auth = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
     for b in router.backends:
         if not b.healthy:
             continue
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with router.session.get(b.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                text = await resp.text()
+            timeout = aiohttp.ClientTimeout(total=2)
+            async with router.session.get(b.url + "/metrics", headers=auth, timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else ""
             lines += _relabel(text, b.url, seen)
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

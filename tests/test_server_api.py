@@ -80,7 +80,7 @@ def test_auth_size_and_method(live_server: LiveServer) -> None:
         code, _, raw = live_server.request("POST", COMP, {"prompt": "x"}, headers=headers)
         assert code == 401 and "API key" in json.loads(raw)["error"]["message"]
     assert live_server.request("GET", "/health", headers={"Authorization": ""})[0] == 200  # open to probes
-    assert live_server.request("GET", "/metrics", headers={"Authorization": ""})[0] == 200
+    assert live_server.request("GET", "/metrics", headers={"Authorization": ""})[0] == 401  # see --metrics-public
     code, _, raw = live_server.request("POST", COMP, b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}')
     assert code == 413 and json.loads(raw)["error"]["code"] == 413
     code, _, raw = live_server.request("GET", COMP)

@@ -97,14 +97,23 @@ def test_shutdown_with_requests_in_flight(llama_dir: Path, sig: signal.Signals) 
     server.wait_until(lambda: _gone(stages), 10.0, "the stages to exit")
 
 
+def _health_status(server: LiveServer) -> int | None:
+    """/health's status, or None if the server did not answer (refused, reset)."""
+    try:
+        return server.request("GET", "/health")[0]
+    except OSError:
+        return None
+
+
 def test_shutdown_lets_requests_in_flight_finish(llama_dir: Path) -> None:
-    """Within the drain window, a stream running at SIGTERM completes normally; then the server
-    exits cleanly."""
+    """Within the drain window, a stream running at SIGTERM completes normally while /health
+    answers 503 (load balancers stop sending); then the server exits cleanly."""
     server = LiveServer(llama_dir, "--pp-size", "2", *SMALL, "--shutdown-timeout", "60")
     stages = server.stage_pids()
     thread, out = _stream_in_background(server, {"prompt": "finish me", "max_tokens": 400, "ignore_eos": True})
     server.wait_until(lambda: server.metrics()["ppserve_requests_running"] == 1, what="the request to run")
     server.proc.send_signal(signal.SIGTERM)
+    server.wait_until(lambda: _health_status(server) == 503, 30.0, "/health to answer 503 while draining")
     assert server.proc.wait(timeout=60) == 0, "".join(server.output)
     thread.join(30)
     assert not thread.is_alive()
