@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model_config import ConfigError
+from ppserve.server.cli_clients import add_client_flags, server_options
 from ppserve.server.cli_cluster import (
     add_cluster_flags,
     add_disaggregation_flags,
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ppserve.engine.outputs import TokenLogprob
     from ppserve.scheduler.sampling_params import SamplingParams
     from ppserve.server.app import ServerOptions
-    from ppserve.server.limits import RequestLimits
 
 EXIT_USAGE = 2
 GENERATE_MAX_TOKENS = 64  # `ppserve generate` without --max-tokens, for a model with no default of its own
@@ -144,28 +143,6 @@ def _parse_gpu_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-ids: ")) from None
 
 
-def _parse_origins(text: str) -> tuple[str, ...]:
-    from ppserve.server.security import parse_origins
-
-    try:
-        return parse_origins(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--allowed-origins: ")) from None
-
-
-def _read_key_file(path: str) -> list[str]:
-    """The API keys: one per non-empty line of `path`, stripped (one tenant each). A missing
-    file, or one without a key, is a usage error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            keys = [line.strip() for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--api-key-file: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    if not keys:
-        raise ValueError(f"--api-key-file: {path} is empty (it needs one key per line)")
-    return keys
-
-
 def _parse_latency(text: str) -> tuple[float, float, float]:
     try:
         a, b, c = (float(v) for v in text.split(","))
@@ -211,35 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    key = serve.add_mutually_exclusive_group()
-    key.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (or env PPSERVE_API_KEY, or --api-key-file); repeat it for "
-        "several keys, one tenant each",
-    )
-    key.add_argument(
-        "--api-key-file",
-        default=None,
-        metavar="PATH",
-        help="read the API keys from PATH, one per non-empty line (unlike --api-key, not visible in the process list)",
-    )
-    serve.add_argument(
-        "--prefix-cache-scope",
-        choices=["api-key", "shared"],
-        default="api-key",
-        help="who shares cached prompt prefixes: requests with the same API key (a tenant), or all; a request's "
-        "cache_salt separates further either way (default: api-key)",
-    )
-    serve.add_argument(
-        "--allowed-origins",
-        type=_parse_origins,
-        default=(),
-        metavar="ORIGINS",
-        help="comma-separated origins (https://app.example.com) whose web pages may open /ws, besides the "
-        "server's own; * allows all (default: none)",
-    )
+    add_client_flags(serve)
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument(
         "--no-playground",
@@ -257,21 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
-    _add_limit_flags(serve)
-    serve.add_argument(
-        "--keepalive-timeout", type=float, default=30.0, metavar="S", help="close idle connections after S (default 30)"
-    )
-    serve.add_argument(
-        "--read-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a request's headers, then its body, must arrive within this (default 30)",
-    )
-    serve.add_argument(
-        "--max-connections", type=int, default=4096, metavar="N", help="past N open connections, 503 (default 4096)"
-    )
-    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
@@ -298,39 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 600)",
     )
     return parser
-
-
-def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """Limits on the lists and strings of a request (server/limits.py says why each default)."""
-    from ppserve.server.limits import RequestLimits
-
-    d = RequestLimits()
-    limit = functools.partial(p.add_argument, type=int, metavar="N")
-    limit("--max-stop", default=d.max_stop, help=f"stop strings per request (default {d.max_stop})")
-    limit("--max-stop-chars", default=d.max_stop_chars, help=f"characters per stop string (default {d.max_stop_chars})")
-    limit(
-        "--max-stop-token-ids",
-        default=d.max_stop_token_ids,
-        help=f"stop token ids per request (default {d.max_stop_token_ids})",
-    )
-    limit("--max-messages", default=d.max_messages, help=f"chat messages per request (default {d.max_messages})")
-    limit(
-        "--max-content-parts",
-        default=d.max_content_parts,
-        help=f"content parts per chat message (default {d.max_content_parts})",
-    )
-
-
-def _limits(args: argparse.Namespace) -> RequestLimits:
-    from ppserve.server.limits import RequestLimits
-
-    return RequestLimits(
-        max_stop=args.max_stop,
-        max_stop_chars=args.max_stop_chars,
-        max_stop_token_ids=args.max_stop_token_ids,
-        max_messages=args.max_messages,
-        max_content_parts=args.max_content_parts,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -469,42 +370,21 @@ def _serve(args: argparse.Namespace) -> None:
         serve_node(_engine_config(args))
     # Before loading anything: a bad key file or a port in use fails in a moment, not after the
     # stages start.
-    api_keys = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else [])
-    if any(not key.strip() for key in api_keys):
-        raise ValueError("--api-key must not be empty")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    _limits(args)  # a bad limit fails now, before anything loads
+    options = server_options(args)  # a bad key file or limit fails now, before anything loads
     sockets = bind_http(args.host, args.port)
     try:
-        _serve_on(args, api_keys, sockets)
+        _serve_on(args, options, sockets)
     finally:
         for sock in sockets:  # aiohttp closes those it served on; this is for a failed start
             sock.close()
 
 
-def _serve_on(args: argparse.Namespace, api_keys: list[str], sockets: list[socket.socket]) -> None:
-    from ppserve.server.app import ServerOptions
-    from ppserve.server.demo import model_name
-
-    config = _engine_config(args, args.max_waiting_requests)
+def _serve_on(args: argparse.Namespace, options: ServerOptions, sockets: list[socket.socket]) -> None:
     from ppserve.server.connections import raise_fd_limit
 
-    options = ServerOptions(
-        shutdown_timeout_s=args.shutdown_timeout,
-        served_model_name=args.served_model_name or model_name(args.model),
-        # The variable holds one key (several tenants: --api-key-file).
-        api_keys=tuple(api_keys) or tuple(filter(None, [os.environ.get("PPSERVE_API_KEY")])),
-        prefix_cache_scope=args.prefix_cache_scope,
-        host=args.host,
-        allowed_origins=args.allowed_origins,
-        playground=args.playground,
-        limits=_limits(args),
-        metrics_public=args.metrics_public,
-        keepalive_timeout_s=args.keepalive_timeout,
-        read_timeout_s=args.read_timeout,
-        max_connections=args.max_connections,
-    )
+    config = _engine_config(args, args.max_waiting_requests)
     raise_fd_limit(options.max_connections)
     run_loop(_serve_until_stopped(config, options, sockets))
 

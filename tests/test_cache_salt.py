@@ -16,7 +16,8 @@ from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS, Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from ppserve.server.app import ServerOptions, ServerState
-from ppserve.server.cli import _read_key_file, build_parser
+from ppserve.server.cli import build_parser
+from ppserve.server.cli_clients import _read_key_file
 from ppserve.server.protocol import (
     ApiError,
     ChatRequest,

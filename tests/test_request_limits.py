@@ -19,7 +19,8 @@ from ppserve.engine.outputs import RequestOutput
 from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.app import STATE, ServerOptions, create_app
-from ppserve.server.cli import _limits, build_parser, main
+from ppserve.server.cli import build_parser, main
+from ppserve.server.cli_clients import _limits
 from ppserve.server.limits import RequestLimits
 from ppserve.server.openapi import openapi_schema
 
