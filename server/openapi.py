@@ -188,9 +188,11 @@ def _paths() -> dict[str, Any]:
             "get": _op(
                 "metrics",
                 "operations",
-                "Prometheus metrics (no API key needed)",
-                {"200": _text("text/plain", "Prometheus text exposition format 0.0.4", {"type": "string"})},
-                extra=OPEN,
+                "Prometheus metrics (with an API key set, it needs the key unless --metrics-public)",
+                {
+                    "200": _text("text/plain", "Prometheus text exposition format 0.0.4", {"type": "string"}),
+                    **_errors(401),
+                },
             )
         },
         "/debug/pipeline": {
@@ -405,8 +407,8 @@ def _build(limits: RequestLimits) -> dict[str, Any]:
             "description": "Pipeline-parallel LLM serving: an OpenAI-compatible API, a native /generate, "
             "and a websocket. Errors are ErrorResponse, with the field at fault in `param`. "
             "A server started with an API key wants `Authorization: Bearer <key>` on every "
-            "operation but /, /health, /metrics and /openapi.json (the websocket also takes the key "
-            "as its first message).",
+            "operation but /, /health and /openapi.json (and /metrics with --metrics-public); the websocket "
+            "also takes the key as its first message.",
         },
         "paths": _paths(),
         "components": {

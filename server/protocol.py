@@ -79,6 +79,7 @@ class ApiError(Exception):
             401: "authentication_error",
             403: "permission_error",
             404: "not_found_error",
+            408: "invalid_request_error",
             413: "invalid_request_error",
             415: "invalid_request_error",
             503: "service_unavailable",
