@@ -168,8 +168,11 @@ async def test_curve_refuses_and_logs_peers_without_the_key(intruder: str, caplo
 LAYOUT = Layout("tcp://127.0.0.1:1", ["tcp://127.0.0.1:2"] * 4, ["e0", "e1", "e2"], ["", "c1", "c2"])
 
 
-async def _meet(host_cfg: ClusterConfig, nodes: list[ClusterConfig], settings: list[dict[str, str]]) -> list[object]:
-    """Node 0 admits the others; returns what each side ended with (a layout or an error)."""
+async def _meet(
+    host_cfg: ClusterConfig, nodes: list[ClusterConfig], settings: list[dict[str, str]], control: str = ""
+) -> list[object]:
+    """Node 0 admits the others; returns what each side ended with (a layout or an error).
+    `control`: where every node says its control socket listens (default: a loopback port each)."""
     host = HostRendezvous(host_cfg, timeout_s=10)
     fp = {"config.json": "a", "weights": "b"}
 
@@ -183,7 +186,8 @@ async def _meet(host_cfg: ClusterConfig, nodes: list[ClusterConfig], settings: l
 
     async def join(c: ClusterConfig, s: dict[str, str]) -> object:
         try:
-            layout, _ = await join_cluster(c, fp, s, f"c{c.node_rank}", {}, timeout_s=10)
+            at = control or f"tcp://127.0.0.1:{40 + c.node_rank}"
+            layout, _ = await join_cluster(c, fp, s, at, {}, timeout_s=10)
             return layout
         except RendezvousError as e:
             return e
@@ -198,6 +202,15 @@ async def test_rendezvous_admits_nodes_with_the_key() -> None:
     nodes = [cluster(node_rank=r, port=port) for r in (1, 2)]
     results = await _meet(cluster(port=port), nodes, [{"pp_size": "4"}] * 2)
     assert results == [LAYOUT, LAYOUT, LAYOUT]
+
+
+async def test_rendezvous_refuses_a_node_that_announces_a_bad_address() -> None:
+    """Where a node says it listens is checked before anyone connects there, even with the key."""
+    port = free_ports(1)[0]
+    nodes = [cluster(node_rank=1, port=port)]
+    host, node = await _meet(cluster(port=port), nodes, [{"pp_size": "4"}], control="tcp://*:9")
+    assert isinstance(host, RendezvousError) and "refused node 1" in str(host)
+    assert "'tcp://*:9'" in str(host) and "not a host name" in str(host) and isinstance(node, RendezvousError)
 
 
 @pytest.mark.parametrize(
