@@ -155,8 +155,10 @@ class PrefillRooms:
                 f"{num_layers} in blocks of {cfg.block_size}"
             )
         stops = [0] + [t.layer_stop for t in msg.decode_stages]
-        if not 0 < len(msg.decode_stages) <= num_layers or any(
-            t.layer_start != stops[i] or t.layer_stop <= t.layer_start for i, t in enumerate(msg.decode_stages)
+        if (
+            not 0 < len(msg.decode_stages) <= num_layers
+            or stops[-1] != num_layers
+            or any(t.layer_start != stops[i] or t.layer_stop <= t.layer_start for i, t in enumerate(msg.decode_stages))
         ):
             raise ValueError("the decode side's stages do not cover its layers in order")
         for t in msg.decode_stages:

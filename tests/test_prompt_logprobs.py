@@ -252,7 +252,7 @@ async def test_async_engine_returns_prompt_logprobs_with_a_cached_prefix(llama_d
 
 
 async def test_disaggregated_engines_refuse_prompt_logprobs(llama_dir: Path) -> None:
-    engine = AsyncEngine(EngineConfig.create(llama_dir, disaggregation="decode"))
+    engine = AsyncEngine(EngineConfig.create(llama_dir, disaggregation="decode", disagg_insecure=True))
     with pytest.raises(ValueError, match=r"^prompt_logprobs .* disaggregation"):
         engine._request("r", [1, 2, 3], SCORED)
     engine._request("r", [1, 2, 3], PLAIN)

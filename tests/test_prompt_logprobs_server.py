@@ -143,7 +143,8 @@ def test_bad_combinations_are_400s(live_server: LiveServer, body: dict[str, Any]
 
 async def test_a_disaggregated_server_refuses_echo_with_logprobs(llama_dir: Path) -> None:
     app = web.Application()
-    app[STATE] = ServerState(EngineConfig.create(llama_dir, disaggregation="decode"), ServerOptions(api_key=None))
+    config = EngineConfig.create(llama_dir, disaggregation="decode", disagg_insecure=True)
+    app[STATE] = ServerState(config, ServerOptions(api_key=None))
     body = json.dumps({"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 0}).encode()
     payload = StreamReader(Mock(), 2**16, loop=asyncio.get_running_loop())
     payload.feed_data(body)
