@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 from helpers import pipeline
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as seed_for
 from hypothesis import strategies as st
 from test_disagg import GREEDY, KEY, collect, engine
 
@@ -120,6 +121,7 @@ class Peer:
         self.to_prefill = PushSocket(self.ctx, p.rooms.address, bind=False, guard=self.guard)
         self.to_decode = PushSocket(self.ctx, d.rooms.address, bind=False, guard=self.guard)
         self.to_kv = [PushSocket(self.ctx, a, bind=False, guard=self.guard) for a in d.pool.kv_addresses]
+        self.decode_ranges = d.config.layer_ranges
         self.replies = 0
         self.reader = asyncio.create_task(self._read())
 
@@ -154,14 +156,87 @@ async def _settles(*checks: Callable[[], bool], timeout_s: float = 60.0) -> None
         await asyncio.sleep(0.1)
 
 
-async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
+Action = tuple[str, Any]  # what a peer does: ("room", RoomOpen), ("valid", (ports, prompt)), ...
+KINDS = ("valid", "room", "failed", "decode", "junk", "kv")
+
+
+@st.composite
+def _valid(draw: st.DrawFn, stages: int) -> Action:
+    """A well-formed room whose decode stages are nowhere: it is prefilled, then fails its transfer."""
+    nowhere = draw(st.lists(_nowhere, min_size=stages, max_size=stages))
+    return "valid", (nowhere, draw(st.lists(st.integers(0, 500), min_size=1, max_size=100)))
+
+
+@st.composite
+def _action(draw: st.DrawFn, layers: int) -> Action:
+    kind = draw(st.integers(0, 99))
+    if kind < 55:
+        return "room", draw(_hostile_room(layers))
+    if kind < 65:
+        return "failed", RoomFailed(draw(_names), draw(st.text(max_size=5000)))
+    if kind < 82:
+        return "decode", draw(_decode_side_junk())
+    if kind < 92:
+        return "junk", (draw(st.booleans()), draw(st.binary(max_size=300)))
+    return "kv", (draw(st.integers(0, 7)), draw(st.binary(max_size=80)), draw(st.binary(max_size=300)))
+
+
+def _draw_actions(layers: int, stages: int, seed: int) -> list[Action]:
+    """MESSAGES actions, drawn by hypothesis ahead of time (the engines then take them as fast as
+    a network would bring them), from its generation phase only: its first examples are the
+    simplest, the later ones are what a fuzzer is for."""
+    actions: list[Action] = []
+    batch = 50  # one valid room in each: 2% of the messages
+
+    @given(st.tuples(_valid(stages)), st.lists(_action(layers), min_size=batch - 1, max_size=batch - 1))
+    @settings(
+        max_examples=MESSAGES // batch + 2,
+        phases=[Phase.generate],
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @seed_for(seed)
+    def take(valid: tuple[Action], hostile: list[Action]) -> None:
+        actions.extend([*valid, *hostile])
+
+    take()
+    return actions[:MESSAGES]
+
+
+async def _act(peer: Peer, action: Action, p: AsyncEngine, valid: int) -> None:
+    kind, what = action
+    if kind == "valid":
+        nowhere, prompt = what
+        pairs = enumerate(zip(nowhere, peer.decode_ranges, strict=True))
+        stages = [KvTarget(j, a, r.start, r.stop) for j, (a, r) in pairs]
+        layers = p.config.model_config.num_layers
+        name = f"ok-{valid % 40}"  # names come back: some while still in use
+        await peer.to_prefill.send(RoomOpen(name, prompt, GREEDY.wire(), stages, 16, layers, peer.inbox.address))
+    elif kind in ("room", "failed"):
+        await peer.to_prefill.send(what)
+    elif kind == "decode":
+        await peer.to_decode.send(what)
+    elif kind == "junk":
+        to_prefill, frame = what
+        await (peer.to_prefill if to_prefill else peer.to_decode).send_frames([frame])
+    else:
+        i, header, data = what
+        await peer.to_kv[i % len(peer.to_kv)].send_frames([header, data])
+
+
+async def _fuzz(llama_dir: Path, keyed: bool) -> None:
     expected = pipeline(llama_dir).generate([PROMPT], GREEDY)[0].token_ids
     secure: dict[str, Any] = {} if keyed else {"disagg_insecure": True}
     async with engine(llama_dir, "prefill", 2, **SHORT, **secure) as p, engine(llama_dir, "decode", 1, **secure) as d:
         rooms = p.rooms
         assert isinstance(rooms, PrefillRooms)
         assert await collect(d, PROMPT, GREEDY, rooms.address) == expected
-        layers, ranges = p.config.model_config.num_layers, d.config.layer_ranges
+        layers = p.config.model_config.num_layers
+        actions = _draw_actions(layers, d.config.pp_size, seed=1 if keyed else 2)
+        kinds = {kind: sum(a[0] == kind for a in actions) for kind in KINDS}
+        assert len(actions) == MESSAGES and min(kinds.values()) >= 20, kinds  # every kind, many times
         stage_pids = [proc.pid for proc in p.pool.procs if proc.pid is not None]
         fds, rss = _fds(), [_rss(pid) for pid in stage_pids]
         opened: list[str] = []
@@ -172,7 +247,6 @@ async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
             real_open(msg)
 
         rooms._open = spy  # type: ignore[method-assign]
-
         stranger = Peer(None, p, d) if keyed else None  # no key: refused at the handshake
         if stranger is not None:
             for i in range(400):
@@ -180,30 +254,9 @@ async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
         peer = Peer(KEY if keyed else None, p, d)
         try:
             valid = 0
-            for i in range(MESSAGES):
-                kind = data.draw(st.integers(0, 99), label="kind")
-                if kind < 2:  # a well-formed room whose decode stages are nowhere: it fails its transfer
-                    nowhere = data.draw(st.lists(_nowhere, min_size=len(ranges), max_size=len(ranges)))
-                    pairs = enumerate(zip(nowhere, ranges, strict=True))
-                    stages = [KvTarget(j, a, r.start, r.stop) for j, (a, r) in pairs]
-                    prompt = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=200))
-                    name = f"ok-{valid % 40}"  # names come back: some while still in use
-                    await peer.to_prefill.send(
-                        RoomOpen(name, prompt, GREEDY.wire(), stages, 16, layers, peer.inbox.address)
-                    )
-                    valid += 1
-                elif kind < 60:
-                    await peer.to_prefill.send(data.draw(_hostile_room(layers)))
-                elif kind < 68:
-                    await peer.to_prefill.send(RoomFailed(data.draw(_names), data.draw(st.text(max_size=5000))))
-                elif kind < 85:
-                    await peer.to_decode.send(data.draw(_decode_side_junk()))
-                elif kind < 93:
-                    target = data.draw(st.sampled_from([peer.to_prefill, peer.to_decode]))
-                    await target.send_frames([data.draw(st.binary(max_size=300))])
-                else:
-                    kv = data.draw(st.sampled_from(peer.to_kv))
-                    await kv.send_frames([data.draw(st.binary(max_size=80)), data.draw(st.binary(max_size=300))])
+            for i, action in enumerate(actions):
+                await _act(peer, action, p, valid)
+                valid += action[0] == "valid"
                 if i % 200 == 0:
                     await asyncio.sleep(0)  # let the engines read as a network would
             await _settles(
@@ -217,7 +270,9 @@ async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
             assert _fds() - fds < MAX_NEW_FDS, (fds, _fds())
             for pid, before in zip(stage_pids, rss, strict=True):
                 assert _rss(pid) - before < MAX_STAGE_RSS_GROWTH
-            assert valid > 0 and sum(name.startswith("ok-") for name in opened) == valid
+            # Every room reached the prefill host and was decided (the last one: the pair's own).
+            assert len(opened) == kinds["room"] + kinds["valid"] + 1
+            assert sum(name.startswith("ok-") for name in opened) == valid
             assert not any(name.startswith("nokey-") for name in opened)  # a stranger reaches nothing
         finally:
             peer.close()
@@ -226,10 +281,8 @@ async def _fuzz(data: Any, llama_dir: Path, keyed: bool) -> None:
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["with-key", "insecure"])
-@given(data=st.data())
-@settings(max_examples=1, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-def test_hostile_peers_on_the_bootstrap_and_room_sockets(llama_dir: Path, keyed: bool, data: Any) -> None:
-    asyncio.run(_fuzz(data, llama_dir, keyed))
+async def test_hostile_peers_on_the_bootstrap_and_room_sockets(llama_dir: Path, keyed: bool) -> None:
+    await _fuzz(llama_dir, keyed)
 
 
 async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_timeout(
