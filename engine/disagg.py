@@ -40,7 +40,7 @@ log = logging.getLogger("ppserve.disagg")
 TICK_S = 0.1
 PROGRESS_S = 1.0  # how often the prefill host tells each decode host where its rooms stand
 MAX_ROOM_CHARS = 256  # a room's name (the decode side's request id)
-MAX_ROOM_MESSAGE_BYTES = 64 << 20  # one message on a room inbox (a prompt of millions of token ids fits)
+ROOM_MESSAGE_BYTES = 4 << 20  # a room message besides its prompt (a progress report of 4,096 rooms fits)
 UNDELIVERED = (AddressError, TimeoutError, zmq.ZMQError)  # a reply no peer took
 
 
@@ -57,8 +57,11 @@ def room_guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str, address: s
     return Guard(ctx, CurveKeys.from_secret(key), who)
 
 
-def room_inbox(ctx: zmq.asyncio.Context, address: str, guard: Guard | None) -> PullSocket:
-    return PullSocket(ctx, address, bind=True, guard=guard, max_msg_bytes=MAX_ROOM_MESSAGE_BYTES)
+def room_inbox(ctx: zmq.asyncio.Context, address: str, guard: Guard | None, max_model_len: int) -> PullSocket:
+    """A host's room inbox: a peer whose message is larger than a longest prompt's room could be
+    (9 bytes per token id at most, plus the rest) is disconnected before it is read."""
+    max_bytes = ROOM_MESSAGE_BYTES + 9 * max_model_len
+    return PullSocket(ctx, address, bind=True, guard=guard, max_msg_bytes=max_bytes)
 
 
 class RoomTasks:

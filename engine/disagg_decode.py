@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from ppserve.engine.disagg import (
 )
 from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.request import Request
+from ppserve.scheduler.sampling_params import MAX_TOP_LOGPROBS
 from ppserve.transport.control import context
 from ppserve.transport.messages import (
     KvExpect,
@@ -68,7 +70,7 @@ class DecodeRooms:
         cfg = self.config = engine.config
         self.ctx = context()
         self.guard = room_guard(self.ctx, cfg.socket_key, "decode host", cfg.disagg_address())
-        self.inbox = room_inbox(self.ctx, cfg.disagg_address(), self.guard)
+        self.inbox = room_inbox(self.ctx, cfg.disagg_address(), self.guard, cfg.max_model_len)
         self.address = self.inbox.address
         self.links = PeerLinks(self.ctx, self.guard, send_timeout_s=cfg.disagg_bootstrap_timeout_s)
         self.rooms: dict[str, _DecodeRoom] = {}
@@ -92,10 +94,25 @@ class DecodeRooms:
                 continue  # a room that ended here already
             room.heard_at = now
             if isinstance(msg, RoomFirstToken):
-                room.first = msg.sample
+                if (problem := self._bad_sample(msg.sample)) is None:
+                    room.first = msg.sample
+                else:  # never fed to the stages: a token outside the vocabulary would crash them
+                    room.error = f"the prefill side failed in state Transferring: its first token {problem}"
             else:
                 room.error, room.from_prefill = msg.error[:1000], True
             room.check()
+
+    def _bad_sample(self, sample: Sampled) -> str | None:
+        """What is wrong with a first token from the prefill side, checked as the last stage's
+        own samples never need to be (a peer's model may differ: another vocabulary)."""
+        vocab = self.config.model_config.vocab_size
+        ids = [sample.token_id, *(t for t, _ in sample.top_logprobs)]
+        logprobs = [lp for lp in (sample.logprob, *(p for _, p in sample.top_logprobs)) if lp is not None]
+        if any(not 0 <= t < vocab for t in ids):
+            return f"is outside this model's vocabulary (size {vocab})"
+        if any(math.isnan(lp) or lp > 1e-3 for lp in logprobs) or len(sample.top_logprobs) > MAX_TOP_LOGPROBS:
+            return "comes with logprobs that are not logprobs"
+        return None
 
     def on_kv_status(self, status: KvStatus) -> None:
         room = self.rooms.get(status.room)

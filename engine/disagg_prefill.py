@@ -43,7 +43,7 @@ from ppserve.transport.messages import (
     Sampled,
     WireSamplingParams,
 )
-from ppserve.transport.peers import AddressError, LogLimiter, PeerLinks, check_address
+from ppserve.transport.peers import LogLimiter, PeerLinks, check_address
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
@@ -79,7 +79,7 @@ class PrefillRooms:
         self.table = BootstrapTable(cfg.pp_size, cfg.disagg_bootstrap_timeout_s, cfg.disagg_transfer_timeout_s)
         self.ctx = context()
         self.guard = room_guard(self.ctx, cfg.socket_key, "prefill host", cfg.disagg_address(cfg.disagg_port))
-        self.inbox = room_inbox(self.ctx, cfg.disagg_address(cfg.disagg_port), self.guard)
+        self.inbox = room_inbox(self.ctx, cfg.disagg_address(cfg.disagg_port), self.guard, cfg.max_model_len)
         self.address = self.inbox.address
         self.links = PeerLinks(self.ctx, self.guard, send_timeout_s=cfg.disagg_bootstrap_timeout_s)
         self.rooms: dict[str, _PrefillRoom] = {}
@@ -121,7 +121,9 @@ class PrefillRooms:
     def _open(self, msg: RoomOpen) -> None:
         try:
             reply_to = check_address(msg.reply_to, "reply_to")
-        except AddressError as e:  # nowhere to say so
+            if not 0 < len(msg.room) <= MAX_ROOM_CHARS:  # not echoed back, whatever its size
+                raise ValueError(f"a room's name has 1 to {MAX_ROOM_CHARS} characters")
+        except ValueError as e:  # no answer: nowhere to send it, or nothing to name it by
             self.junk.warning("prefill host: dropped room %.80r: %s", msg.room, e)
             return
         try:
@@ -143,8 +145,8 @@ class PrefillRooms:
     def _check(self, msg: RoomOpen) -> tuple[SamplingParams, list[LayerSlice]]:
         """Every field of a room, as a peer sent it: ValueError (or the engine's refusal) says what is wrong."""
         cfg, num_layers = self.config, self.config.model_config.num_layers
-        if not 0 < len(msg.room) <= MAX_ROOM_CHARS:
-            raise ValueError(f"a room's name has 1 to {MAX_ROOM_CHARS} characters")
+        if not 0 < len(msg.prompt_token_ids) < cfg.max_model_len:  # first: the checks below walk it
+            raise ValueError(f"the prompt has {len(msg.prompt_token_ids)} tokens (1 to {cfg.max_model_len - 1})")
         if msg.room in self.rooms or msg.room in self.table.rooms:
             raise ValueError(f"room {msg.room!r} is already in use")
         if len(self.rooms) >= cfg.max_waiting_requests:
@@ -165,9 +167,8 @@ class PrefillRooms:
             check_address(t.address, "a decode stage's KV address")
         slices = layer_slices(cfg.layer_ranges, [range(t.layer_start, t.layer_stop) for t in msg.decode_stages])
         params = first_token_params(msg.params)
-        self.engine.check_request(
-            msg.prompt_token_ids, params, cache_salt=msg.cache_salt
-        )  # length, vocabulary, salt, a queue with room
+        # The prompt's vocabulary, the salt, a queue with room: as for an HTTP request.
+        self.engine.check_request(msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
         return params, slices
 
     def on_kv_status(self, status: KvStatus) -> None:
@@ -210,7 +211,8 @@ class PrefillRooms:
                 stage = _slowest(r)
                 by_peer.setdefault(room.open.reply_to, []).append(RoomState(name, stage, r.states[stage].value))
         for peer, states in by_peer.items():
-            self._send(peer, RoomProgress(states))
+            if not self.links.busy(peer):  # one waiting send per slow peer is enough
+                self._send(peer, RoomProgress(states))
 
     async def _prefill(self, name: str, room: _PrefillRoom) -> None:
         msg = room.open
@@ -231,6 +233,7 @@ class PrefillRooms:
         self._send(msg.reply_to, RoomFirstToken(name, sample))
         for stage in range(self.config.pp_size):
             self.engine.pool.send_to(stage, KvExport(name, list(held.block_table)))
+        self.table.exported(name, time.monotonic())
 
     def _send(self, peer: str, msg: Msg) -> None:
         """To a decode host, in the background; a room whose decode host takes no word fails."""

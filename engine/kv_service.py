@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +43,7 @@ Report = Callable[[KvStatus], Awaitable[None]]
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a function where the stage computes
 MAX_TARGETS = 64  # decode stages one prefill stage sends a room's KV to (one per decode stage it overlaps)
 MAX_SENDERS = 64  # open senders to decode stages, kept for later rooms
+MAX_FORGOTTEN = 4096  # rooms ended before their handshake ran, remembered until it does
 
 
 class KvExporter:
@@ -65,6 +67,7 @@ class KvExporter:
         self.senders: dict[str, KvSender] = {}  # by address, kept for later rooms (least recently used first)
         self.exporting: set[str] = set()
         self.aborted: set[str] = set()  # exports in progress told to stop
+        self.forgotten: OrderedDict[str, bool] = OrderedDict()  # rooms ended before their handshake ran
 
     async def bootstrap(self, room: str, targets: Sequence[KvTarget]) -> None:
         if self.faults is not None:
@@ -72,6 +75,8 @@ class KvExporter:
                 log.warning("prefill stage %d: dropped the handshake of room %s (injected)", self.stage, room)
                 return  # the host's bootstrap timeout ends the room
             await asyncio.sleep(self.faults.jitter_s())
+        if self.forgotten.pop(room, False):
+            return  # the host ended the room before this handshake ran: nothing to hold for it
         try:
             self._check_targets(targets)
             for t in targets:
@@ -146,8 +151,12 @@ class KvExporter:
         await self.report(KvStatus(room, self.stage, "Success"))
 
     def abort(self, room: str) -> None:
-        """Forget the room; a transfer in progress fails at its next chunk."""
-        self.targets.pop(room, None)
+        """Forget the room; a transfer in progress fails at its next chunk, a handshake not yet
+        run is dropped when it runs."""
+        if self.targets.pop(room, None) is None and room not in self.exporting:
+            self.forgotten[room] = True
+            while len(self.forgotten) > MAX_FORGOTTEN:
+                self.forgotten.popitem(last=False)
         if room in self.exporting:
             self.aborted.add(room)
 

@@ -65,6 +65,7 @@ class Room:
     states: list[KvState]  # per prefill stage
     since: list[float]  # when each stage entered its state
     admitted: bool = False
+    exported: bool = False  # prefilled, and the stages told to send (WaitingForInput is timed again)
     error: RoomError | None = None
     failed_at: float = 0.0
     notes: list[str] = field(default_factory=list)  # ignored reports, for the log
@@ -120,6 +121,15 @@ class BootstrapTable:
             r.admitted = True
         return [r.room for r in ready]
 
+    def exported(self, room: str, now: float) -> None:
+        """The room is prefilled and its stages told to send: from now, a stage still waiting for
+        input has its bootstrap timeout to start (it may have died before it read the word)."""
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        r.exported = True
+        r.since = [now if s is KvState.WAITING_FOR_INPUT else t for s, t in zip(r.states, r.since, strict=True)]
+
     def fail(self, room: str, side: str, stage: int | None, reason: str, now: float) -> RoomError | None:
         """The host ends a room (an abort, a failure on the decode side, ...); its error, or None
         for a room that is gone. The stages not yet done are to be told to drop it."""
@@ -142,8 +152,9 @@ class BootstrapTable:
             for stage in behind:
                 state, since = r.states[stage], r.since[stage]
                 limit = self.transfer_timeout_s if state is KvState.TRANSFERRING else self.bootstrap_timeout_s
-                # WaitingForInput lasts until the prefill is done: only a room not yet admitted can stall in it.
-                waits_on_prefill = state is KvState.WAITING_FOR_INPUT and r.admitted
+                # WaitingForInput lasts until the prefill is done: a room admitted and not yet
+                # exported is waiting on the prefill (however long the queue), not on the stage.
+                waits_on_prefill = state is KvState.WAITING_FOR_INPUT and r.admitted and not r.exported
                 if not state.terminal and not waits_on_prefill and now - since > limit:
                     self._fail(r, RoomError("prefill", stage, state, f"timed out after {limit:g} s"), now)
                     expired.append(r)

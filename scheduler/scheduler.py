@@ -113,6 +113,7 @@ class Scheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         r.finish_reason = reason
+        r.hold_kv = False  # an ended prefill has nothing to send: its KV is freed, never held
         if self.receiving.pop(request_id, None) is not None:
             self._free(r)  # its KV never arrived: nothing reads or writes the blocks here
             return r

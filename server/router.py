@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, json_errors
+from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, ServerOptions, json_errors
 from ppserve.server.client_errors import CLIENT_GONE
+from ppserve.server.connections import CONNECTIONS, ConnectionGuard, GuardedSite, connection_limits, read_body
 from ppserve.server.protocol import ApiError
 from ppserve.transport.cluster_key import route_proof
 from ppserve.transport.peers import check_address
@@ -249,7 +250,16 @@ def create_router(
     """`key`: the cluster key of the servers behind (None: they run with --insecure-cluster)."""
     backends = [Backend(u.rstrip("/"), "prefill") for u in prefill]
     backends += [Backend(u.rstrip("/"), "decode") for u in decode]
-    app = web.Application(middlewares=[json_errors])  # the router's own errors: the servers' shape
+    # Clients meet the router first: it bounds their connections as a server does (its defaults).
+    limits = ServerOptions()
+    guard = ConnectionGuard(limits.read_timeout_s, limits.max_connections)
+    app = web.Application(
+        client_max_size=limits.max_body_bytes,
+        # The router's own errors have the servers' shape.
+        middlewares=[connection_limits(guard, limits.max_body_bytes), json_errors, read_body(limits.read_timeout_s)],
+        handler_args={"keepalive_timeout": limits.keepalive_timeout_s},
+    )
+    app[CONNECTIONS] = guard
     app[ROUTER] = Router(backends, key, read_timeout_s)
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -285,7 +295,7 @@ async def serve_router(
     await runner.setup()
     try:
         for sock in sockets:
-            await web.SockSite(runner, sock).start()
+            await GuardedSite(runner, sock).start()
         for h, p, *_ in runner.addresses:
             url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
             print(f"ppserve: routing to {len(prefill)} prefill and {len(decode)} decode server(s) at {url}", flush=True)

@@ -96,6 +96,22 @@ def test_every_state_has_a_timeout_but_an_admitted_room_waits_for_its_prefill() 
     assert {r.room for r in t.release(22.2)} == {"slow handshake", "slow transfer"}
 
 
+def test_a_stage_that_never_starts_sending_after_the_prefill_fails_the_room() -> None:
+    """Once the prefill is done and the stages told to send, one that stays waiting for input
+    (it died before it read the word) has its bootstrap timeout, so no room waits forever."""
+    t = table(2)
+    t.open("r", 0.0)
+    for stage in range(2):
+        t.report("r", stage, W, 1.0)
+    t.admit()
+    assert t.expire(100.0) == []  # a long prefill queue is no failure
+    t.exported("r", 100.0)
+    t.report("r", 0, T, 100.5)
+    assert t.expire(105.0) == []
+    [expired] = t.expire(105.1)
+    assert expired.error == RoomError("prefill", 1, W, "timed out after 5 s")
+
+
 def test_the_host_ends_rooms_for_the_decode_side_and_for_aborts() -> None:
     t = table(2)
     t.open("d", 0.0)

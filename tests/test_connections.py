@@ -4,6 +4,7 @@ finish arriving, bodies too large to read, the connection limit, and who may rea
 from __future__ import annotations
 
 import json
+import resource
 import selectors
 import socket
 import subprocess
@@ -46,8 +47,9 @@ def quick_server(tiny_env: dict[str, str]) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def small_server(tiny_env: dict[str, str]) -> Iterator[LiveServer]:
-    """Room for 50 connections; default timeouts (held connections stay); /metrics public."""
-    server = LiveServer(Path(TINY_RANDOM), "--max-connections", "50", "--metrics-public", env=tiny_env)
+    """Room for 50 connections; long timeouts (held connections stay, however slow the test); /metrics public."""
+    flags = ("--max-connections", "50", "--metrics-public", "--read-timeout", "600", "--keepalive-timeout", "600")
+    server = LiveServer(Path(TINY_RANDOM), *flags, env=tiny_env)
     yield server
     assert server.stop() == 0, "".join(server.output)
 
@@ -56,6 +58,21 @@ def _connect(server: LiveServer) -> socket.socket:
     url = urlsplit(server.url)
     assert url.hostname is not None and url.port is not None
     return socket.create_connection((url.hostname, url.port), timeout=30)
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole response: its headers, then as many bytes as its Content-Length says."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a whole response: {data!r}"
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    head = data.partition(b"\r\n\r\n")[0].lower()
+    return next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.startswith(b"content-length:")), 0)
 
 
 def _read_all(sock: socket.socket) -> bytes:
@@ -102,6 +119,9 @@ def _wait_for_eof(socks: list[socket.socket], server: LiveServer) -> None:
 
 def test_idle_and_slow_connections_are_closed_while_health_answers(quick_server: LiveServer) -> None:
     server = quick_server
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this process holds the flood's sockets
+    if soft != resource.RLIM_INFINITY and soft < FLOOD + 500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else FLOOD * 2, hard))
     held: list[socket.socket] = []
     try:
         # A request whose headers stop half-way, and one that completes and then idles.
@@ -145,7 +165,7 @@ def test_a_body_declared_too_large_is_413_before_it_is_read(quick_server: LiveSe
     """Nothing of the body is sent: the answer comes from the header alone (not a 408 later)."""
     with _connect(quick_server) as sock:
         sock.sendall(POST_HEAD.format(key=API_KEY, length=1_000_000_000).encode())
-        answer = sock.recv(65536)
+        answer = _read_response(sock)
     assert answer.startswith(b"HTTP/1.1 413"), answer
     error = _json_body(answer)["error"]
     assert isinstance(error, dict) and error["code"] == 413 and "1000000000 bytes" in error["message"]

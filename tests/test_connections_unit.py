@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ppserve.server.connections import CONNECTIONS, ConnectionGuard, GuardedSite, connection_limits, read_body
 
-READ_TIMEOUT_S = 0.5
+READ_TIMEOUT_S = 2.0  # far above what one loaded loop iteration takes
 DEADLINE_S = 30.0  # a connection not closed by then was held, not timed out
 REQUEST = b"GET /%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 

@@ -289,7 +289,7 @@ async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_t
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The prefill side goes silent mid-room (its host is gone): the decode side fails the room
-    after its bootstrap timeout (2 s here; its transfer timeout is 60 s), naming the prefill
+    after its bootstrap timeout (5 s here; its transfer timeout is 60 s), naming the prefill
     stage and the state it went silent in, and frees the room's KV."""
     monkeypatch.setenv("PPSERVE_DISAGG_FAULTS", "jitter_ms=20000-20000,seed=1")  # handshakes that take 20 s
     p = await engine(llama_dir, "prefill", 1, disagg_bootstrap_timeout_s=60.0).start()
@@ -297,7 +297,7 @@ async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_t
     try:
         rooms = p.rooms
         assert isinstance(rooms, PrefillRooms)
-        async with engine(llama_dir, "decode", 1, disagg_bootstrap_timeout_s=2.0, disagg_transfer_timeout_s=60.0) as d:
+        async with engine(llama_dir, "decode", 1, disagg_bootstrap_timeout_s=5.0, disagg_transfer_timeout_s=60.0) as d:
             room = asyncio.create_task(collect(d, PROMPT, GREEDY, rooms.address))
             decode_rooms = d.rooms
             assert isinstance(decode_rooms, DecodeRooms)
@@ -307,7 +307,7 @@ async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_t
             with pytest.raises(DisaggregationError) as failed:
                 await room
             assert re.match(
-                r"prefill stage 0 failed in state Bootstrapping: no word from the prefill server at \S+ for 2 s",
+                r"prefill stage 0 failed in state Bootstrapping: no word from the prefill server at \S+ for 5 s",
                 str(failed.value),
             ), failed.value
             await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
@@ -404,14 +404,49 @@ async def test_a_room_with_bad_fields_is_refused_by_name_and_its_name_is_free_ag
                 "not a host name": _room(p, "x", at, decode_stages=[KvTarget(0, "tcp://*:1", 0, layers)]),
                 "outside the vocabulary": _room(p, "x", at, prompt_token_ids=[1, 10**6]),
                 "do not cover its layers": _room(p, "x", at, decode_stages=[KvTarget(0, "tcp://h:1", 0, 1)]),
-                "name has 1 to 256": _room(p, "x" * 300, at),
             }
             for reason, room in refusals.items():
                 await insider.link.send(room)
                 answer = await insider.reply(room.room)
                 assert isinstance(answer, RoomFailed) and reason in answer.error, (reason, answer)
+            # A name too long to be one is dropped unanswered (a reply would echo it back).
+            await insider.link.send(_room(p, "x" * 300, at))
+            await insider.link.send(_room(p, "probe", at, prompt_token_ids=[]))
+            first = await asyncio.wait_for(insider.inbox.recv(), 30)
+            while isinstance(first, RoomProgress):
+                first = await asyncio.wait_for(insider.inbox.recv(), 30)
+            assert isinstance(first, RoomFailed) and first.room == "probe"
             assert not rooms.rooms and p.healthy  # and "x" can be used again:
             await insider.link.send(_room(p, "x", at))
             assert isinstance(await insider.reply("x"), RoomFirstToken)
         finally:
             insider.close()
+
+
+async def test_a_first_token_outside_the_vocabulary_fails_the_room_not_the_decode_engine(llama_dir: Path) -> None:
+    """A prefill server whose model differs (another vocabulary) answers with a token the decode
+    stages could not embed: the room fails by name, and the decode engine never sees the token."""
+    expected = pipeline(llama_dir).generate([PROMPT], GREEDY)[0].token_ids
+    async with engine(llama_dir, "decode", 1) as d:
+        ctx = context()
+        guard = Guard(ctx, CurveKeys.from_secret(KEY), "odd prefill host")
+        bootstrap = PullSocket(ctx, "tcp://127.0.0.1:*", bind=True, guard=guard)
+        reply = None
+        try:
+            room = asyncio.create_task(collect(d, PROMPT, GREEDY, bootstrap.address))
+            opened = await asyncio.wait_for(bootstrap.recv(), 30)
+            assert isinstance(opened, RoomOpen)
+            reply = PushSocket(ctx, opened.reply_to, bind=False, guard=guard)
+            vocab = d.config.model_config.vocab_size
+            await reply.send(RoomFirstToken(opened.room, Sampled(opened.room, vocab + 7)))
+            with pytest.raises(DisaggregationError, match=r"first token is outside this model's vocabulary"):
+                await room
+            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
+            assert d.healthy and d.stage_restarts == [0]
+            assert [t async for out in d.generate(PROMPT, GREEDY) for t in out.token_ids] == expected
+        finally:
+            if reply is not None:
+                reply.close()
+            bootstrap.close()
+            guard.stop()
+            ctx.term()

@@ -17,6 +17,7 @@ from ppserve.transport.cluster_key import route_proof
 
 KEY = b"the-router-and-servers-secret"
 BOOTSTRAP = "tcp://127.0.0.1:9100"
+READ_TIMEOUT_S = 2.0  # between two reads of the decode server (here: after its first event)
 
 
 def _backend(side: str, seen: list[dict[str, str]], stall: asyncio.Event) -> TestServer:
@@ -49,9 +50,11 @@ async def deployment() -> AsyncIterator[tuple[TestClient[Any, Any], list[dict[st
     await prefill.start_server()
     await decode.start_server()
     urls = [str(s.make_url("")).rstrip("/") for s in (prefill, decode)]
-    app = create_router([urls[0]], [urls[1]], KEY, read_timeout_s=1.0)
+    app = create_router([urls[0]], [urls[1]], KEY, read_timeout_s=READ_TIMEOUT_S)
     async with TestClient(TestServer(app)) as client:
+        deadline = asyncio.get_running_loop().time() + 30
         while not all(b.healthy for b in app[ROUTER].backends):  # its first /health checks
+            assert asyncio.get_running_loop().time() < deadline, [b.why for b in app[ROUTER].backends]
             await asyncio.sleep(0.05)
         yield client, seen, stall
         stall.set()
@@ -84,5 +87,5 @@ async def test_a_stream_that_stalls_ends_with_an_error_event_and_done(
     lines = [line for line in (await resp.text()).splitlines() if line.startswith("data: ")]
     assert json.loads(lines[0][6:])["choices"][0]["text"] == "a"
     error = json.loads(lines[1][6:])["error"]
-    assert error["code"] == 503 and "sent nothing for 1 s" in error["message"]
+    assert error["code"] == 503 and f"sent nothing for {READ_TIMEOUT_S:g} s" in error["message"]
     assert lines[2] == "data: [DONE]"

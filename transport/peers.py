@@ -5,7 +5,8 @@ connect to: where its KV receivers listen, where its room replies go. Nothing it
 as an address before `check_address` has parsed it. The sockets to peers (`PeerLinks`) are
 bounded three ways, so that no peer, live or gone, can make us hold memory or descriptors:
 
-- in number: past `max_links`, the least recently used one is closed;
+- in number: past `max_links`, the least recently used idle one is closed (or, when all are
+  busy, the least recently used: its waiting send fails);
 - in queue: a message goes out only to a connected peer (ZMQ_IMMEDIATE), at most `hwm` wait
   per socket, and a send that no peer takes within `send_timeout_s` fails (it is never queued
   for a peer that may never come, and never reported as delivered);
@@ -89,16 +90,18 @@ class PeerLinks:
     ) -> None:
         self.ctx, self.guard = ctx, guard
         self.max_links, self.hwm, self.send_timeout_s = max_links, hwm, send_timeout_s
-        self.socks: OrderedDict[str, tuple[zmq.asyncio.Socket, asyncio.Lock]] = OrderedDict()
+        self.socks: OrderedDict[str, _Link] = OrderedDict()  # least recently used first
 
-    def _link(self, address: str) -> tuple[zmq.asyncio.Socket, asyncio.Lock]:
+    def _link(self, address: str) -> _Link:
         if (link := self.socks.get(address)) is not None:
             self.socks.move_to_end(address)
             return link
         check_address(address)
-        while len(self.socks) >= self.max_links:
-            _, (old, _) = self.socks.popitem(last=False)
-            old.close(linger=0)
+        if len(self.socks) >= self.max_links:
+            # The least recently used idle link goes; with none idle, the least recently used
+            # (a peer that takes nothing keeps its link busy, and must not keep out the others).
+            old = next((a for a, link in self.socks.items() if not link.lock.locked()), next(iter(self.socks)))
+            self.socks.pop(old).close()
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
@@ -110,20 +113,46 @@ class PeerLinks:
         except zmq.ZMQError as e:
             sock.close(linger=0)
             raise AddressError(f"cannot connect to {address!r}: {e}") from None
-        link = self.socks[address] = (sock, asyncio.Lock())
+        link = self.socks[address] = _Link(sock)
         return link
 
     async def send(self, address: str, msg: Msg) -> None:
         """Hand `msg` to the peer at `address`. Raises AddressError for an address we do not
-        connect to, TimeoutError when no peer takes it within the send timeout."""
-        sock, lock = self._link(address)
-        async with lock:  # one sender at a time per peer: messages leave in order
-            await asyncio.wait_for(sock.send(encode(msg), copy=False), self.send_timeout_s)
+        connect to (or whose link was closed to make room), TimeoutError when no peer takes it
+        within the send timeout."""
+        link = self._link(address)
+        async with link.lock:  # one sender at a time per peer: messages leave in order
+            try:
+                if link.closed:
+                    raise asyncio.CancelledError
+                await asyncio.wait_for(link.sock.send(encode(msg), copy=False), self.send_timeout_s)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if link.closed and (task is None or not task.cancelling()):  # closed under it, not cancelled
+                    raise AddressError(f"the link to {address} was closed to make room for other peers") from None
+                raise
+
+    def busy(self, address: str) -> bool:
+        """Whether a send to `address` is waiting (a peer that is slow, or gone)."""
+        link = self.socks.get(address)
+        return link is not None and link.lock.locked()
 
     def close(self) -> None:
-        for sock, _ in self.socks.values():
-            sock.close(linger=200)  # what a peer already took may still go out, briefly
+        for link in self.socks.values():
+            link.close(linger_ms=200)  # what a peer already took may still go out, briefly
         self.socks.clear()
+
+
+class _Link:
+    """One PUSH socket to a peer, and the lock that keeps its sends in order."""
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock, self.lock, self.closed = sock, asyncio.Lock(), False
+
+    def close(self, linger_ms: int = 0) -> None:
+        """A send waiting on it is cancelled by pyzmq; `PeerLinks.send` turns that into a failure."""
+        self.closed = True
+        self.sock.close(linger=linger_ms)
 
 
 class LogLimiter:
