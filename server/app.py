@@ -96,7 +96,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.stats)
-        self.tenants = Tenants(self.options.keys, self.options.prefix_cache_scope)
+        self.tenants = Tenants(self.options.keys, self.options.prefix_cache_scope, self.config.socket_key)
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None

@@ -12,7 +12,8 @@ chain (scheduler/block_allocator.py). Under `api-key`, the salt the engine gets 
 the tenant and the client's own `cache_salt`; under `shared`, it is the client's `cache_salt`
 alone. A tenant is known by a tag, an HMAC of its key under a secret drawn at start-up: the
 key itself is never stored with a request, sent to a prefill server, or logged, and the tag
-means nothing outside this process.
+means nothing outside this process (or, with a cluster key, outside the deployment: decode
+servers derive it from that key, so one tenant shares its prefixes at their prefill servers).
 """
 
 from __future__ import annotations
@@ -39,11 +40,19 @@ ANONYMOUS = Tenant(b"")
 
 
 class Tenants:
-    def __init__(self, keys: Sequence[str], scope: PrefixCacheScope = "api-key") -> None:
+    def __init__(
+        self, keys: Sequence[str], scope: PrefixCacheScope = "api-key", cluster_key: bytes | None = None
+    ) -> None:
+        """`cluster_key`: decode servers of one disaggregated deployment derive the tags from it, so
+        that a tenant is one tenant at their shared prefill servers (its cached prefixes shared);
+        without it, the tags come from a secret drawn at start-up."""
         if scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(f"prefix cache scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, got {scope!r}")
         self.scope = scope
-        secret = secrets.token_bytes(32)
+        if cluster_key is None:
+            secret = secrets.token_bytes(32)
+        else:
+            secret = hashlib.blake2b(cluster_key, digest_size=32, person=b"ppserve-tenant").digest()
         # Bytes, so that any header or JSON string (even one with lone surrogates, through
         # "surrogatepass") compares unequal rather than crash.
         encoded = [key.encode("utf-8", "surrogatepass") for key in dict.fromkeys(keys) if key]

@@ -137,6 +137,20 @@ def test_salts_are_per_tenant_under_api_key_scope() -> None:
     assert Tenants([]).cache_salt(ANONYMOUS, "x") == "x"
 
 
+def test_decode_servers_with_one_cluster_key_salt_a_tenant_alike() -> None:
+    """Two decode servers of one deployment send a tenant's requests to the same prefill server
+    with the same salt (its prefixes shared there); servers of no shared key do not."""
+    key = b"the-deployment-secret"
+    first, second = Tenants(["key-a"], cluster_key=key), Tenants(["key-a"], cluster_key=key)
+    a1, a2 = first.match(b"key-a"), second.match(b"key-a")
+    assert a1 is not None and a2 is not None
+    assert first.cache_salt(a1, None) == second.cache_salt(a2, None)
+    assert first.cache_salt(a1, "x") == second.cache_salt(a2, "x") != first.cache_salt(a1, None)
+    apart = Tenants(["key-a"])
+    a3 = apart.match(b"key-a")
+    assert a3 is not None and apart.cache_salt(a3, None) != first.cache_salt(a1, None)
+
+
 def test_salts_are_the_clients_own_under_shared_scope() -> None:
     tenants = Tenants(["key-a", "key-b"], "shared")
     a, b = tenants.match(b"key-a"), tenants.match(b"key-b")
