@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,10 +42,14 @@ SPEC = TinySpec(
 )  # fmt: skip
 
 
+KEY = b"the-benchmark-pair-secret"  # the pair's sockets under CURVE, as a deployment runs them
+
+
 def config(model: Path, pp: int, mode: str = "") -> EngineConfig:
     return EngineConfig.create(
-        model, pp_size=pp, disaggregation=mode, threads_per_stage=1, kv_cache_gb=0.5, chunked_prefill_size=512
-    )
+        model, pp_size=pp, disaggregation=mode, threads_per_stage=1, kv_cache_gb=0.5, chunked_prefill_size=512,
+        disagg_key=KEY if mode else None,
+    )  # fmt: skip
 
 
 async def stream(engine: AsyncEngine, prompt: list[int], tokens: int, prefill: str | None) -> list[float]:
@@ -130,6 +135,10 @@ async def main_async(quick: bool) -> dict[str, Any]:
     }
     results["workload"] = {"decode_streams": streams, "long_prompts": longs, "long_prompt_tokens": long_len}
     results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    results["commit"] = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    results["settings"] = {"quick": quick, "cluster_key": True}
     return results
 
 
