@@ -4,12 +4,11 @@ between requests of one salt, the server derives each tenant's salt, the request
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+from test_cli import run_cli
 
 from ppserve.scheduler.block_allocator import block_hash, salt_root
 from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS, Request
@@ -34,7 +33,6 @@ from ppserve.transport.messages import KvTarget, RoomOpen, Sampled, StepResult, 
 
 BLOCK = 4
 PROMPT = list(range(100, 117))  # four full blocks and one token: four blocks can be found cached
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- the scheduler ------------------------------------------------------------------------
@@ -227,11 +225,5 @@ def test_bad_key_and_scope_flags_are_one_line_errors(tmp_path: Path) -> None:
         (["--api-key", "a", "--api-key", " "], "--api-key must not be empty"),
         (["--prefix-cache-scope", "user"], "invalid choice"),
     ]:
-        res = subprocess.run(
-            [sys.executable, "-m", "ppserve.server.cli", "serve", *flags],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        res = run_cli("serve", *flags)
         assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1

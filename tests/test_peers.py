@@ -50,6 +50,7 @@ async def test_past_the_cap_the_least_recently_used_link_closes_and_its_waiting_
     try:
         nowhere = asyncio.create_task(links.send("tcp://127.0.0.1:21999", RoomFailed("a", "x")))
         while not links.busy("tcp://127.0.0.1:21999"):  # it takes the lock, waits for a peer never there
+            assert not nowhere.done(), nowhere
             await asyncio.sleep(0)
         await links.send(inbox.address, RoomFailed("b", "x"))
         assert await asyncio.wait_for(inbox.recv(), 10) == RoomFailed("b", "x")

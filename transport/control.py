@@ -26,7 +26,16 @@ def context() -> zmq.asyncio.Context:
 
 
 def _open(sock: zmq.asyncio.Socket, address: str, bind: bool, guard: Guard | None) -> str:
-    """Bind or connect; returns the address (with the port the OS picked for a "*" port)."""
+    """Bind or connect; returns the address (with the port the OS picked for a "*" port). A
+    socket that cannot is closed (an open one would keep its context from terminating)."""
+    try:
+        return _bind_or_connect(sock, address, bind, guard)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+
+
+def _bind_or_connect(sock: zmq.asyncio.Socket, address: str, bind: bool, guard: Guard | None) -> str:
     if guard is not None:
         guard.keys.apply(sock, server=bind)
     if not bind:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
-from ppserve.transport.messages import Msg, encode
+from ppserve.transport.control import PushSocket
+from ppserve.transport.messages import Msg
 
 if TYPE_CHECKING:
     from ppserve.transport.cluster_key import Guard
@@ -102,18 +103,11 @@ class PeerLinks:
             # (a peer that takes nothing keeps its link busy, and must not keep out the others).
             old = next((a for a, link in self.socks.items() if not link.lock.locked()), next(iter(self.socks)))
             self.socks.pop(old).close()
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a peer that is there (and proved the key)
-        if self.guard is not None:
-            self.guard.keys.apply(sock, server=False)
-        try:
-            sock.connect(address)
+        try:  # queued only for a connected peer (that proved the key), and boundedly
+            push = PushSocket(self.ctx, address, bind=False, guard=self.guard, hwm=self.hwm, immediate=True)
         except zmq.ZMQError as e:
-            sock.close(linger=0)
             raise AddressError(f"cannot connect to {address!r}: {e}") from None
-        link = self.socks[address] = _Link(sock)
+        link = self.socks[address] = _Link(push)
         return link
 
     async def send(self, address: str, msg: Msg) -> None:
@@ -122,15 +116,15 @@ class PeerLinks:
         within the send timeout."""
         link = self._link(address)
         async with link.lock:  # one sender at a time per peer: messages leave in order
-            try:
-                if link.closed:
-                    raise asyncio.CancelledError
-                await asyncio.wait_for(link.sock.send(encode(msg), copy=False), self.send_timeout_s)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if link.closed and (task is None or not task.cancelling()):  # closed under it, not cancelled
-                    raise AddressError(f"the link to {address} was closed to make room for other peers") from None
-                raise
+            if not link.closed:
+                try:
+                    await asyncio.wait_for(link.push.send(msg), self.send_timeout_s)
+                    return
+                except (asyncio.CancelledError, zmq.ZMQError):  # pyzmq's ways to end a send on a closed socket
+                    task = asyncio.current_task()
+                    if not link.closed or (task is not None and task.cancelling()):
+                        raise  # not the link's doing (this task was cancelled, or the send failed)
+        raise AddressError(f"the link to {address} was closed to make room for other peers")
 
     def busy(self, address: str) -> bool:
         """Whether a send to `address` is waiting (a peer that is slow, or gone)."""
@@ -146,13 +140,13 @@ class PeerLinks:
 class _Link:
     """One PUSH socket to a peer, and the lock that keeps its sends in order."""
 
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
-        self.sock, self.lock, self.closed = sock, asyncio.Lock(), False
+    def __init__(self, push: PushSocket) -> None:
+        self.push, self.lock, self.closed = push, asyncio.Lock(), False
 
     def close(self, linger_ms: int = 0) -> None:
         """A send waiting on it is cancelled by pyzmq; `PeerLinks.send` turns that into a failure."""
         self.closed = True
-        self.sock.close(linger=linger_ms)
+        self.push.close(linger_ms)
 
 
 class LogLimiter:
