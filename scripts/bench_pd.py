@@ -49,6 +49,7 @@ def config(model: Path, pp: int, mode: str = "") -> EngineConfig:
     return EngineConfig.create(
         model, pp_size=pp, disaggregation=mode, threads_per_stage=1, kv_cache_gb=0.5, chunked_prefill_size=512,
         disagg_key=KEY if mode else None,
+        enable_prefix_caching=False,  # measured: prefill and transfer (a cache hit would skip the prompt)
     )  # fmt: skip
 
 
@@ -138,7 +139,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
     results["commit"] = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    results["settings"] = {"quick": quick, "cluster_key": True}
+    results["settings"] = {"quick": quick, "cluster_key": True, "prefix_caching": False}
     return results
 
 
