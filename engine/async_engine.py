@@ -1,5 +1,6 @@
-"""AsyncEngine: the public in-process API. Owns the tokenizer, the scheduler, the pipeline
-driver and the stage processes.
+"""AsyncEngine: the public in-process API. Owns the tokenizer, the scheduler, the engine core
+(engine/runtime/core.py: the serving loop) and the stage processes; adds request streams,
+detokenizing and recovery around them.
 
     async with AsyncEngine(config) as engine:
         async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
@@ -28,19 +29,20 @@ from types import TracebackType
 import zmq
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.disagg_decode import DecodeRooms
-from ppserve.engine.disagg_faults import DisaggFaults
-from ppserve.engine.disagg_prefill import PrefillRooms
+from ppserve.engine.disagg.decode import DecodeRooms
+from ppserve.engine.disagg.faults import DisaggFaults
+from ppserve.engine.disagg.prefill import PrefillRooms
+from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
-from ppserve.engine.restart_budget import RestartBudget
-from ppserve.engine.stage_pool import StageError, StagePool
-from ppserve.engine.timeline import Timeline
-from ppserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from ppserve.scheduler.driver import PipelineDriver
+from ppserve.engine.runtime.core import EngineCore, Outputs
+from ppserve.engine.runtime.executors import StagePoolExecutor
+from ppserve.engine.runtime.restart_budget import RestartBudget
+from ppserve.engine.runtime.stage_pool import StageError, StagePool
+from ppserve.engine.runtime.timeline import Timeline
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from ppserve.transport.messages import Sampled, StepPlan, StepResult
+from ppserve.scheduler.scheduler import Scheduler
+from ppserve.transport.messages import Sampled, StepResult
 
 log = logging.getLogger("ppserve.engine")
 
@@ -91,31 +93,18 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=config.num_kv_blocks,
-                block_size=config.block_size,
-                pp_size=config.pp_size,
-                async_depth=config.async_depth,
-                max_running_requests=config.max_running_requests,
-                max_batched_tokens=config.max_batched_tokens,
-                chunked_prefill_size=config.chunked_prefill_size,
-                dynamic_chunking=config.dynamic_chunking,
-                chunk_smooth=config.chunk_smooth,
-                enable_prefix_caching=config.enable_prefix_caching,
-            )
-        )
+        self.scheduler = Scheduler(config.scheduler_config())
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._pool: StagePool | None = None
-        self._driver: PipelineDriver | None = None
-        self._driver_task: asyncio.Task[None] | None = None
+        self._core: EngineCore | None = None
+        self._core_task: asyncio.Task[None] | None = None
         self.error: Exception | None = None
         self.timeline = Timeline(config.pp_size)  # recent per-stage compute intervals
         self.stage_restarts = [0] * config.pp_size
         self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
         self._recovery: asyncio.Task[None] | None = None
-        self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg.py)
+        self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
 
@@ -124,7 +113,7 @@ class AsyncEngine:
     async def start(self) -> AsyncEngine:
         if self.config.disaggregation:
             DisaggFaults.from_env()  # a malformed PPSERVE_DISAGG_FAULTS is a ValueError before anything starts
-        pool = StagePool(self.config, self._on_result, self._on_stage_failure)
+        pool = StagePool(self.config, self._on_stage_failure)
         self._pool = pool
         atexit.register(pool.kill_now)
         try:
@@ -137,9 +126,8 @@ class AsyncEngine:
         for stage, samples in enumerate(pool.profiles):
             if samples:
                 self.scheduler.set_profile(stage, samples)
-        driver = PipelineDriver(self.scheduler, self._send_plan, self._on_outputs)
-        self._driver = driver
-        self._driver_task = self._supervise(asyncio.create_task(driver.run()), "pipeline driver")
+        self._core = EngineCore(self.scheduler, StagePoolExecutor(pool), self, self.timeline)
+        self._core_task = self._supervise(asyncio.create_task(self._core.run()), "engine core")
         try:
             self._start_rooms(pool)
         except zmq.ZMQError as e:
@@ -165,7 +153,7 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
-        tasks = [t for t in (self._driver_task, self._recovery) if t is not None]
+        tasks = [t for t in (self._core_task, self._recovery) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -204,7 +192,7 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         """Started and not dead (it may be recovering: requests then wait)."""
-        return self._driver_task is not None and self.error is None
+        return self._core_task is not None and self.error is None
 
     @property
     def recovering(self) -> bool:
@@ -225,7 +213,7 @@ class AsyncEngine:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
         engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full.
 
-        Disaggregation (engine/disagg.py): on a decode engine, `prefill` (a prefill engine's
+        Disaggregation (engine/disagg/rooms.py): on a decode engine, `prefill` (a prefill engine's
         bootstrap address) has the prompt prefilled there and its KV sent here, then decodes on
         (DisaggregationError if that fails); `hold_kv` keeps a finished request's KV for a
         transfer (the prefill engine's own use).
@@ -247,8 +235,7 @@ class AsyncEngine:
         if prefill is None:
             self.scheduler.add(request)
         self._streams[rid] = stream
-        assert self._driver is not None
-        self._driver.wake()
+        self.wake()
         try:
             if prefill is not None:
                 await self._prefill_remotely(stream, prefill)
@@ -273,8 +260,7 @@ class AsyncEngine:
             return  # aborted meanwhile: the stream ends with what abort put in it
         self._emit(stream, first)
         self._progress.set()
-        assert self._driver is not None
-        self._driver.wake()
+        self.wake()
 
     @property
     def pool(self) -> StagePool:
@@ -282,9 +268,9 @@ class AsyncEngine:
         return self._pool
 
     def wake(self) -> None:
-        """The scheduler may have work (blocks were freed outside a step)."""
-        if self._driver is not None:
-            self._driver.wake()
+        """The scheduler may have work (a request came or went, blocks were freed outside a step)."""
+        if self._core is not None:
+            self._core.wake()
 
     def check_request(
         self,
@@ -319,8 +305,8 @@ class AsyncEngine:
         return Request(request_id, ids, params, mc.eos_token_ids, self.config.max_model_len, cache_salt)
 
     def abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None and self._driver is not None:
-            self._driver.wake()
+        if self.scheduler.abort(request_id) is not None:
+            self.wake()
             self._progress.set()
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -349,19 +335,8 @@ class AsyncEngine:
 
     # ---- results --------------------------------------------------------------------------
 
-    def _send_plan(self, plan: StepPlan) -> None:
-        assert self._pool is not None
-        self.timeline.on_plan(plan)
-        self._pool.send_plan(plan)
-
-    def _on_result(self, result: StepResult) -> None:
-        if result.mb_id not in self.scheduler.inflight:
-            return  # a plan voided by a pipeline reset (or by the engine's death)
-        self.timeline.on_result(result)
-        if self._driver is not None:
-            self._driver.on_result(result)
-
-    def _on_outputs(self, outputs: list[tuple[Request, Sampled]], result: StepResult) -> None:
+    def emit(self, outputs: Outputs, result: StepResult) -> None:
+        """The core's output sink: each sampled token to its request's stream."""
         for request, sample in outputs:
             stream = self._streams.get(request.request_id)
             if stream is not None:
@@ -440,15 +415,15 @@ class AsyncEngine:
         log.error("%s", error)
         if self._closed or self.error is not None or self._recovery is not None:
             return  # a recovery in progress watches the stages itself
-        if self._driver is None or error.fatal:
+        if self._core is None or error.fatal:
             self._die(EngineDeadError(str(error)))
             return
         self._recovery = self._supervise(asyncio.create_task(self._recover(error)), "stage recovery", forever=False)
 
     async def _recover(self, error: StageError) -> None:
         """Replace the failed stage while its requests wait, then carry on from their tokens."""
-        assert self._pool is not None and self._driver is not None
-        self._driver.pause()
+        assert self._pool is not None and self._core is not None
+        self._core.pause()
         while True:
             cfg = self.config
             if error.stage is None or not self._budget.take(time.monotonic()):
@@ -459,8 +434,7 @@ class AsyncEngine:
                 )
                 self._die(EngineDeadError(str(error)))
                 return
-            preempted = self.scheduler.reset_pipeline()
-            self.timeline.forget_in_flight()
+            preempted = self._core.reset_pipeline()
             log.warning("replacing stage %d; %d running request(s) will be recomputed", error.stage, preempted)
             try:
                 replaced = await self._pool.replace(error.stage, self.scheduler.next_mb_id)
@@ -475,14 +449,14 @@ class AsyncEngine:
             break
         log.info("pipeline repaired (stage(s) %s replaced); serving again", ", ".join(map(str, replaced)))
         self._recovery = None
-        self._driver.resume()
+        self._core.resume()
 
     def _die(self, error: EngineDeadError) -> None:
         """The engine cannot serve any more: fail everything now, and say so in `error`."""
         if self.error is None:
             self.error = error
-        if self._driver is not None:
-            self._driver.pause()
+        if self._core is not None:
+            self._core.pause()
         self.scheduler.fail_all()
         self._fail_streams(self.error)
         self._progress.set()

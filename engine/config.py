@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from ppserve.engine.cluster import ClusterConfig
-from ppserve.engine.devices import shares_a_gpu, stage_gpus
-from ppserve.engine.gguf_checkpoint import is_gguf_file, prepare_gguf
-from ppserve.engine.kv_cache import kv_bytes_per_block
-from ppserve.engine.model_config import ConfigError, ModelConfig
-from ppserve.engine.partition import partition_layers
+from ppserve.engine.cluster.config import ClusterConfig
+from ppserve.engine.cluster.devices import shares_a_gpu, stage_gpus
+from ppserve.engine.model.gguf_checkpoint import is_gguf_file, prepare_gguf
+from ppserve.engine.model.kv_cache import kv_bytes_per_block
+from ppserve.engine.model.model_config import ConfigError, ModelConfig
+from ppserve.engine.model.partition import partition_layers
+from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.transport.tensor_channel import resolve_kind
 
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
@@ -43,7 +44,7 @@ class EngineConfig:
     chunk_smooth: float = 0.75  # how strictly chunk sizes follow the model (0: fixed, 1: strictly)
     enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (scheduler/block_allocator.py)
     # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
-    # + c seconds for the whole model (see engine/synthetic.py). For studying scheduling at any pp size.
+    # + c seconds for the whole model (see engine/runtime/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
     # Plans in flight beyond one per stage. 0: a spare plan would hide the host's turnaround, but
     # decodes would then split into pp_size + 1 smaller micro-batches; on CPUs the smaller GEMMs
@@ -54,12 +55,12 @@ class EngineConfig:
     stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
     max_stage_restarts: int = 3  # stage replacements allowed per window; past that the engine is dead
     stage_restart_window_s: float = 600.0
-    stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/devices.py)
-    cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster.py); None: one host
+    stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/cluster/devices.py)
+    cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster/config.py); None: one host
     disaggregation: str = ""  # "prefill" | "decode": one side of a disaggregated pair; "": both in one
     disagg_host: str = "127.0.0.1"  # disaggregation sockets bind here (prefill: its bootstrap port too)
     disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
-    disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg.py)
+    disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg/rooms.py)
     disagg_transfer_timeout_s: float = 30.0
     disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets
     disagg_insecure: bool = False  # no secret: anyone who reaches the pair's sockets can drive them
@@ -241,6 +242,21 @@ class EngineConfig:
             disagg_transfer_timeout_s=disagg_transfer_timeout_s,
             disagg_key=disagg_key,
             disagg_insecure=disagg_insecure,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's share of this config."""
+        return SchedulerConfig(
+            num_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            pp_size=self.pp_size,
+            async_depth=self.async_depth,
+            max_running_requests=self.max_running_requests,
+            max_batched_tokens=self.max_batched_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            dynamic_chunking=self.dynamic_chunking,
+            chunk_smooth=self.chunk_smooth,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     @property

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_chunking.py --quick         # 64K only, no scaling sweep
 
 (a) Synthetic stages (real processes, scheduler and channels; each stage sleeps the time a
-    latency model gives, see engine/synthetic.py): 64K and 128K-token prompts at PP=4 with fixed
+    latency model gives, see engine/runtime/synthetic.py): 64K and 128K-token prompts at PP=4 with fixed
     chunks {C/4, C/2, C, 2C} and dynamic chunks at s in {0.5, 0.75, 1.0}; then strong scaling,
     TTFT(PP=1) / (P * TTFT(PP=P)) for P in {1, 2, 4, 8}, dynamic at s = 0.75.
 (b) The real model on this CPU at PP=2 with a 4K-token prompt: fixed vs dynamic, alternating,
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.timeline import Interval, bubble_fractions
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.runtime.timeline import Interval, bubble_fractions
 from ppserve.scheduler.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"

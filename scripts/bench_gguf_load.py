@@ -32,8 +32,8 @@ t = time.perf_counter()
 import torch
 torch.set_num_threads(2)
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.stage_runner import StageRunner
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.runtime.stage_runner import StageRunner
+from ppserve.engine.model.tokenizer import Tokenizer
 config = EngineConfig.create(sys.argv[1], num_kv_blocks=64)
 Tokenizer(config.model)
 StageRunner(config, 0)

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ppserve.engine.config import EngineConfig  # noqa: E402
-from ppserve.engine.local_pipeline import LocalPipeline  # noqa: E402
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.runtime.local_pipeline import LocalPipeline  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 SPEC = TinySpec(

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netns import Cluster, Unavailable  # noqa: E402
 from tun_switch import TunSwitch  # noqa: E402
 
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 
 # Small enough that a decode step is a few ms, so what the network adds shows.
 SPEC = TinySpec(arch="llama", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=768)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
-from ppserve.engine.disagg_prefill import PrefillRooms  # noqa: E402
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.disagg.prefill import PrefillRooms  # noqa: E402
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 SPEC = TinySpec(

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
-from ppserve.engine.timeline import Interval  # noqa: E402
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from ppserve.engine.runtime.timeline import Interval  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from ppserve.transport.addresses import free_ports  # noqa: E402
 from ppserve.transport.messages import EdgeHeader  # noqa: E402

@@ -57,7 +57,7 @@ import bench_peers as bp  # noqa: E402
 import bench_serving as bs  # noqa: E402
 from peers_setup import SHAPES, checkpoint  # noqa: E402
 
-from ppserve.engine.tokenizer import Tokenizer  # noqa: E402
+from ppserve.engine.model.tokenizer import Tokenizer  # noqa: E402
 from ppserve.scheduler.request import Request  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402

@@ -78,7 +78,7 @@ def main() -> int:
     args = p.parse_args()
 
     from ppserve.engine.config import EngineConfig
-    from ppserve.engine.tokenizer import Tokenizer
+    from ppserve.engine.model.tokenizer import Tokenizer
     from ppserve.server.demo import resolve_model
 
     model = Path(resolve_model(args.model))

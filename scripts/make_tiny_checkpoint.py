@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ppserve.engine.tiny_checkpoint import ARCHITECTURES, TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.tiny_checkpoint import ARCHITECTURES, TinySpec, make_tiny_checkpoint
 
 
 def main() -> None:

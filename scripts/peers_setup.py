@@ -66,7 +66,7 @@ def smollm2_hf_dir() -> Path:
 
     from safetensors.torch import save_file
 
-    from ppserve.engine.gguf_checkpoint import gguf_tensor_names, prepare_gguf, read_gguf_tensors
+    from ppserve.engine.model.gguf_checkpoint import gguf_tensor_names, prepare_gguf, read_gguf_tensors
     from ppserve.server.demo import demo_model
 
     out = CACHE / "ckpt-smollm2"

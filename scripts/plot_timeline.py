@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ppserve.engine.timeline import Interval, bubble_fractions, intervals_from_trace
+from ppserve.engine.runtime.timeline import Interval, bubble_fractions, intervals_from_trace
 
 COLORS = {"prefill": "tab:blue", "decode": "tab:green", "mixed": "tab:orange", "unknown": "tab:gray"}
 

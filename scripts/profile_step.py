@@ -26,9 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ppserve.engine import linear  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
-from ppserve.engine.local_pipeline import LocalPipeline  # noqa: E402
+from ppserve.engine.model import linear  # noqa: E402
+from ppserve.engine.runtime.local_pipeline import LocalPipeline  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 # Op name -> group. First match wins; anything unmatched is "other ops".

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.model_config import ConfigError
 from ppserve.server.cli_clients import add_client_flags, server_options
 from ppserve.server.cli_cluster import (
     add_cluster_flags,
@@ -135,7 +135,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _parse_gpu_ids(text: str) -> tuple[int, ...]:
-    from ppserve.engine.devices import parse_gpu_ids
+    from ppserve.engine.cluster.devices import parse_gpu_ids
 
     try:
         return parse_gpu_ids(text)

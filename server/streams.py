@@ -13,9 +13,9 @@ import msgspec
 from aiohttp import web
 
 from ppserve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from ppserve.engine.disagg import DisaggregationError
+from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
-from ppserve.engine.stage_pool import StageError
+from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.server.client_errors import CLIENT_GONE
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
 

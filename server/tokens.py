@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ppserve.engine.tokenizer import INLINE_CHARS, Tokenizer
+from ppserve.engine.model.tokenizer import INLINE_CHARS, Tokenizer
 from ppserve.server.protocol import ApiError
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from live_server import LiveServer
 
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from ppserve.server.demo import demo_model
 
 # Two cores: keep torch from oversubscribing them when tests run stage work in one process.

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from procs import children, read
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.engine.offline import OfflineEngine
+from ppserve.scheduler.request import Request
+from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.messages import SeqChunk
 
 GREEDY_TOKENS = 32
@@ -33,16 +36,25 @@ def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int
     return [rng.randrange(6, vocab) for _ in range(length)]  # skip the special tokens
 
 
-def pipeline(model_dir: Path, pp_size: int = 1, **kwargs: object) -> LocalPipeline:
+def pipeline(model_dir: Path, pp_size: int = 1, **kwargs: object) -> OfflineEngine:
     kwargs.setdefault("num_kv_blocks", 256)
-    return LocalPipeline(EngineConfig.create(model_dir, pp_size=pp_size, **kwargs))  # type: ignore[arg-type]
+    return OfflineEngine(EngineConfig.create(model_dir, pp_size=pp_size, **kwargs))  # type: ignore[arg-type]
 
 
-def prompt_logits(pipe: LocalPipeline, prompt: list[int]) -> torch.Tensor:
+def prefill_here(pipe: OfflineEngine, prompt: list[int], params: SamplingParams) -> tuple[Request, int]:
+    """A prefill server's part of a request: the prompt and its first token, the KV kept for a
+    transfer (`release_held` gives it back). Returns the request and that token."""
+    r = pipe.request(prompt, replace(params, max_tokens=1))
+    r.hold_kv = True
+    pipe.run([r])
+    return r, r.output_token_ids[0]
+
+
+def prompt_logits(pipe: OfflineEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, [len(prompt), vocab], in one prefill."""
     blocks = pipe.allocator.allocate(pipe.allocator.blocks_for(len(prompt)))
     try:
-        return pipe.forward([SeqChunk("p", prompt, 0, blocks, True)], all_logits=True)
+        return pipe.executor.forward([SeqChunk("p", prompt, 0, blocks, True)], all_logits=True)
     finally:
         pipe.allocator.free(blocks)
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import alive, pipeline, spawned_children
 from live_server import ROOT, LiveServer
 
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.cli import build_parser
 

@@ -15,11 +15,11 @@ import pytest
 import torch.distributed as dist
 import zmq
 
-from ppserve.engine.cluster import ClusterConfig, parse_host_port, split_stages
+from ppserve.engine.cluster.config import ClusterConfig, parse_host_port, split_stages
+from ppserve.engine.cluster.fingerprint import checkpoint_fingerprint, describe_mismatch
+from ppserve.engine.cluster.rendezvous import HostRendezvous, RendezvousError, _join_parts, join_cluster
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.fingerprint import checkpoint_fingerprint, describe_mismatch
-from ppserve.engine.model_config import ConfigError
-from ppserve.engine.rendezvous import HostRendezvous, RendezvousError, _join_parts, join_cluster
+from ppserve.engine.model.model_config import ConfigError
 from ppserve.transport.addresses import free_ports
 from ppserve.transport.cluster_key import CurveKeys, Guard, load_key, proof, proof_matches
 from ppserve.transport.control import PullSocket, PushSocket, context

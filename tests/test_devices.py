@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from ppserve.engine.cluster.devices import parse_gpu_ids, shares_a_gpu, stage_gpus
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.devices import parse_gpu_ids, shares_a_gpu, stage_gpus
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.model_config import ConfigError
 from ppserve.transport.tensor_channel import resolve_kind
 
 
@@ -79,7 +79,7 @@ def test_stage_cores(
     cores: list[int],
     expected: list[set[int] | None],
 ) -> None:
-    from ppserve.engine import cpu_affinity
+    from ppserve.engine.runtime import cpu_affinity
 
     monkeypatch.setattr(cpu_affinity.os, "sched_getaffinity", lambda pid: set(cores))
     config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)

@@ -15,8 +15,8 @@ from helpers import pipeline
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.disagg import DisaggregationError
-from ppserve.engine.disagg_prefill import PrefillRooms
+from ppserve.engine.disagg.prefill import PrefillRooms
+from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.scheduler.bootstrap import KvState
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.addresses import free_ports

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppserve.engine.disagg_faults import DisaggFaults
+from ppserve.engine.disagg.faults import DisaggFaults
 
 
 def test_parse_and_describe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from test_disagg import GREEDY, KEY, collect, engine
 
 from ppserve.engine.async_engine import AsyncEngine
-from ppserve.engine.disagg import DisaggregationError
-from ppserve.engine.disagg_decode import DecodeRooms
-from ppserve.engine.disagg_prefill import PrefillRooms
+from ppserve.engine.disagg.decode import DecodeRooms
+from ppserve.engine.disagg.prefill import PrefillRooms
+from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (

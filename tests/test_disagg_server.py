@@ -13,7 +13,7 @@ import pytest
 from helpers import pipeline
 from live_server import LiveServer
 
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.addresses import free_ports
 from ppserve.transport.cluster_key import route_proof

@@ -14,8 +14,8 @@ from helpers import random_prompt
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.synthetic import synthetic_seconds
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.runtime.synthetic import synthetic_seconds
 from ppserve.scheduler.chunk_predictor import LatencyModel
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.messages import SeqChunk

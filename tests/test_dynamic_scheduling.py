@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from ppserve.engine.latency_profile import LENGTHS, profile_points
-from ppserve.engine.timeline import Timeline, bubble_fractions, intervals_from_trace
+from ppserve.engine.runtime.latency_profile import LENGTHS, profile_points
+from ppserve.engine.runtime.timeline import Timeline, bubble_fractions, intervals_from_trace
 from ppserve.scheduler.chunk_predictor import LatencyModel
 from ppserve.scheduler.latency_tracker import REFIT_EVERY, LatencyTracker
 from ppserve.scheduler.request import Request

@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.local_pipeline import LocalPipeline
-from ppserve.engine.model_config import ConfigError, ModelConfig
-from ppserve.engine.partition import partition_layers
+from ppserve.engine.model.model_config import ConfigError, ModelConfig
+from ppserve.engine.model.partition import partition_layers
+from ppserve.engine.offline import OfflineEngine
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_missing_files(tmp_path: Path, llama_dir: Path) -> None:
     broken = _copy(llama_dir, tmp_path / "nofile")
     (broken / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
-        LocalPipeline(EngineConfig.create(broken, num_kv_blocks=8))
+        OfflineEngine(EngineConfig.create(broken, num_kv_blocks=8))
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
         EngineConfig.create(broken)
@@ -136,10 +136,10 @@ def test_broken_shard_index(tmp_path: Path, sharded_dir: Path) -> None:
     shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
     shard.unlink()
     with pytest.raises(ConfigError, match=f"shard {shard.name} listed in model.safetensors.index.json is missing"):
-        LocalPipeline(EngineConfig.create(ckpt, num_kv_blocks=8))
+        OfflineEngine(EngineConfig.create(ckpt, num_kv_blocks=8))
     (ckpt / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ConfigError, match="is not a valid index"):
-        LocalPipeline(EngineConfig.create(ckpt, num_kv_blocks=8))
+        OfflineEngine(EngineConfig.create(ckpt, num_kv_blocks=8))
 
 
 def test_missing_and_misshaped_tensors(tmp_path: Path, llama_dir: Path) -> None:
@@ -150,12 +150,12 @@ def test_missing_and_misshaped_tensors(tmp_path: Path, llama_dir: Path) -> None:
     save_file(missing, ckpt / "model.safetensors")
     # Stage 0 of 2 owns layers 0-1 and does not need the missing tensor; stage 1 does.
     with pytest.raises(ConfigError, match=r"missing tensor\(s\): model.layers.3.mlp.up_proj.weight"):
-        LocalPipeline(EngineConfig.create(ckpt, pp_size=2, num_kv_blocks=8))
+        OfflineEngine(EngineConfig.create(ckpt, pp_size=2, num_kv_blocks=8))
     wrong = dict(tensors)
     wrong["model.layers.0.self_attn.k_proj.weight"] = wrong["model.layers.0.self_attn.k_proj.weight"][:8]
     save_file(wrong, ckpt / "model.safetensors")
     with pytest.raises(ConfigError, match=r"tensor model.layers.0.self_attn.k_proj.weight has shape \(8, 64\)"):
-        LocalPipeline(EngineConfig.create(ckpt, num_kv_blocks=8))
+        OfflineEngine(EngineConfig.create(ckpt, num_kv_blocks=8))
 
 
 @pytest.mark.parametrize(
@@ -196,7 +196,7 @@ def test_dtype_resolution(llama_dir: Path, tmp_path: Path) -> None:
 def test_prompt_too_long(llama_dir: Path) -> None:
     from ppserve.scheduler.sampling_params import SamplingParams
 
-    pipe = LocalPipeline(EngineConfig.create(llama_dir, num_kv_blocks=8, max_model_len=20))
+    pipe = OfflineEngine(EngineConfig.create(llama_dir, num_kv_blocks=8, max_model_len=20))
     with pytest.raises(ValueError, match="prompt has 20 tokens; the model's context length is 20"):
         pipe.generate([[5] * 20], SamplingParams())
     with pytest.raises(ValueError, match="prompt must contain at least one token"):

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppserve.engine import attention, decode_attention
-from ppserve.engine.attention import AttentionMetadata, paged_attention
-from ppserve.engine.linear import Linear, fuse_linears, onednn_packs
+from ppserve.engine.model import attention, decode_attention
+from ppserve.engine.model.attention import AttentionMetadata, paged_attention
+from ppserve.engine.model.linear import Linear, fuse_linears, onednn_packs
 
 pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason="no C++ compiler")
 

@@ -7,10 +7,8 @@ import random
 import shutil
 from pathlib import Path
 
-import pytest
 from helpers import pipeline, random_prompt
 
-from ppserve.scheduler.block_allocator import OutOfBlocks
 from ppserve.scheduler.request import FinishReason
 from ppserve.scheduler.sampling_params import SamplingParams
 
@@ -47,14 +45,13 @@ def test_context_length_ends_generation(llama_dir: Path) -> None:
 
 def test_seeded_output_independent_of_batch(llama_dir: Path) -> None:
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=42, ignore_eos=True)
-    pipe = pipeline(llama_dir, pp_size=2)
+    pipe = pipeline(llama_dir, pp_size=2, chunked_prefill_size=5)  # prompts prefilled over several steps
     alone = pipe.generate([PROMPT], seeded)[0].token_ids
     rng = random.Random(1)
     others = [random_prompt(rng, n) for n in (3, 30, 7)]
     batch = pipe.generate(
         [others[0], PROMPT, others[1], others[2]],
         [SamplingParams(max_tokens=30, ignore_eos=True), seeded, _greedy(5), SamplingParams(seed=1, max_tokens=9)],
-        chunk_size=5,
     )
     assert batch[1].token_ids == alone
     assert pipe.generate([PROMPT], seeded)[0].token_ids == alone  # and again, later
@@ -68,9 +65,10 @@ def test_penalties_change_greedy_output(llama_dir: Path) -> None:
     assert len(set(penalised)) > len(set(plain))  # repeats are discouraged
 
 
-def test_out_of_kv_blocks_frees_everything(llama_dir: Path) -> None:
-    pipe = pipeline(llama_dir, num_kv_blocks=4)  # 64 tokens in all
-    with pytest.raises(OutOfBlocks, match="need 1 KV blocks, 0 free"):
-        pipe.generate([PROMPT, PROMPT], _greedy(40, ignore_eos=True))
+def test_out_of_kv_blocks_preempts_and_frees_everything(llama_dir: Path) -> None:
+    pipe = pipeline(llama_dir, num_kv_blocks=4, enable_prefix_caching=False)  # 64 tokens in all: one request at a time
+    alone = pipe.generate([PROMPT], _greedy(40, ignore_eos=True))[0].token_ids
+    both = pipe.generate([PROMPT, PROMPT], _greedy(40, ignore_eos=True))
+    assert [g.token_ids for g in both] == [alone, alone]
+    assert pipe.scheduler.num_preemptions > 0
     assert pipe.allocator.num_free == 4
-    assert len(pipe.generate([PROMPT], _greedy(40, ignore_eos=True))[0].token_ids) == 40

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from live_server import LiveServer
 
-from ppserve.engine.model_config import ConfigError, ModelConfig
+from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.server.demo import TINY_SPEC
 
 DEFAULT = 5

@@ -17,10 +17,10 @@ from gguf_files import gguf_name, llama_permute, write_gguf
 from helpers import pipeline, prompt_logits, random_prompt
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.gguf_checkpoint import prepare_gguf, read_gguf_tensors
-from ppserve.engine.model_config import ConfigError
-from ppserve.engine.tiny_checkpoint import TinySpec, make_tiny_checkpoint
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.gguf_checkpoint import prepare_gguf, read_gguf_tensors
+from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.model.tokenizer import Tokenizer
 
 SPECS = {
     "llama": TinySpec(arch="llama", seed=11, tie_word_embeddings=True),  # q/k permuted by llama.cpp

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import pipeline
+from helpers import pipeline, prefill_here
 
-from ppserve.engine.kv_blocks import LayerSlice, layer_slices, read_blocks, write_blocks
-from ppserve.scheduler.request import Request
+from ppserve.engine.disagg.kv_blocks import LayerSlice, layer_slices, read_blocks, write_blocks
 from ppserve.scheduler.sampling_params import SamplingParams
 
 
@@ -56,22 +55,17 @@ def test_decode_continues_exactly_after_a_transfer(
     src = pipeline(llama_dir, prefill[0], layer_partition=prefill[1])
     dst = pipeline(llama_dir, decode[0], layer_partition=decode[1])
     dst.allocator.allocate(3)  # so the decode side's block ids differ from the prefill side's
-    [p] = src.add_requests([prompt], params)
-    [(_, first)] = src.step([p], chunk_size=64)  # the whole prompt, and the first token
-    assert first.token_id == expected[0]
+    p, first = prefill_here(src, prompt, params)  # the whole prompt, and the first token
+    assert first == expected[0]
 
-    d = Request("d", prompt, params, (), dst.config.max_model_len)
-    dst.sampler.add_request(d.request_id, d.params)
-    dst.allocator.grow(d.block_table, len(prompt))
-    assert d.block_table != p.block_table
+    d = dst.request(prompt, params, "d")
+    blocks = dst.scheduler.reserve_prefilled(d)
+    assert blocks is not None and blocks != p.block_table
     for s in layer_slices(src.config.layer_ranges, dst.config.layer_ranges):
-        data = read_blocks(src.runners[s.src].kv_cache, src.config.layer_ranges[s.src], s.layers, p.block_table)
-        write_blocks(dst.runners[s.dst].kv_cache, dst.config.layer_ranges[s.dst], s.layers, d.block_table, data)
-    src.release(p)
-    d.num_computed_tokens = len(prompt)
-    d.append_token(first.token_id)
-    dst.sampler.remove_request(d.request_id)
-    dst.sampler.add_request(d.request_id, d.params, [first.token_id])
-    while not d.finished:
-        dst.step([d], chunk_size=64)
+        src_cache, dst_cache = src.executor.runners[s.src].kv_cache, dst.executor.runners[s.dst].kv_cache
+        data = read_blocks(src_cache, src.config.layer_ranges[s.src], s.layers, p.block_table)
+        write_blocks(dst_cache, dst.config.layer_ranges[s.dst], s.layers, blocks, data)
+    assert src.scheduler.release_held(p.request_id)
+    dst.scheduler.activate(d.request_id, first)
+    dst.run([d])
     assert d.output_token_ids == expected

@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import pipeline
 
-from ppserve.engine.disagg_faults import DisaggFaults
-from ppserve.engine.kv_blocks import layer_slices
-from ppserve.engine.kv_service import KvExporter, KvImporter
-from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.engine.disagg.faults import DisaggFaults
+from ppserve.engine.disagg.kv_blocks import layer_slices
+from ppserve.engine.disagg.kv_service import KvExporter, KvImporter
+from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.bootstrap import handshake_order
 from ppserve.scheduler.request import Request
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -45,8 +46,8 @@ class Pair:
         async def report(status: KvStatus) -> None:
             self.statuses.append(status)
 
-        def cache(p: LocalPipeline, i: int) -> Callable[[], Any]:
-            return lambda: p.runners[i].kv_cache
+        def cache(p: OfflineEngine, i: int) -> Callable[[], Any]:
+            return lambda: p.executor.runners[i].kv_cache
 
         self.importers = [
             KvImporter(self.ctx, i, r, cache(self.dst, i), run_here, report, "tcp://127.0.0.1:*")
@@ -81,6 +82,13 @@ class Pair:
             await asyncio.sleep(0.02)
         raise AssertionError(f"not {count} x {state}: {self.statuses}")
 
+    async def prefill(self) -> tuple[Request, int]:
+        """The prompt and its first token on the prefill side, its KV kept for the transfer."""
+        p = self.src.request(PROMPT, replace(PARAMS, max_tokens=1))
+        p.hold_kv = True
+        await self.src.serve([p])
+        return p, p.output_token_ids[0]
+
     async def close(self) -> None:
         for task in self.serving:
             task.cancel()
@@ -96,12 +104,12 @@ async def test_prefill_stages_hand_their_kv_to_differently_cut_decode_stages(lla
     expected = pipeline(llama_dir).generate([PROMPT], PARAMS)[0].token_ids
     pair = Pair(llama_dir)
     try:
-        [p] = pair.src.add_requests([PROMPT], PARAMS)
-        [(_, first)] = pair.src.step([p], chunk_size=128)
-        d = Request("room-1", PROMPT, PARAMS, (), pair.dst.config.max_model_len)
-        pair.dst.allocator.grow(d.block_table, len(PROMPT))
+        p, first = await pair.prefill()
+        d = pair.dst.request(PROMPT, PARAMS, "room-1")
+        blocks = pair.dst.scheduler.reserve_prefilled(d)
+        assert blocks is not None
         for importer in pair.importers:
-            importer.expect("room-1", d.block_table)
+            importer.expect("room-1", blocks)
         for stage in handshake_order(3):
             await pair.exporters[stage].bootstrap("room-1", pair.targets(stage))
         assert [s.stage for s in await pair.wait_for(3, "WaitingForInput")] == [2, 1, 0]
@@ -109,12 +117,9 @@ async def test_prefill_stages_hand_their_kv_to_differently_cut_decode_stages(lla
             await exporter.export("room-1", p.block_table)
         assert {s.stage for s in await pair.wait_for(3, "Success")} == {0, 1, 2}
         assert {s.stage for s in await pair.wait_for(2, "Received")} == {0, 1}
-        pair.src.release(p)
-        d.num_computed_tokens = len(PROMPT)
-        d.append_token(first.token_id)
-        pair.dst.sampler.add_request(d.request_id, d.params, [first.token_id])
-        while not d.finished:
-            pair.dst.step([d], chunk_size=64)
+        assert pair.src.scheduler.release_held(p.request_id)
+        pair.dst.scheduler.activate(d.request_id, first)
+        await pair.dst.serve([d])
         assert d.output_token_ids == expected
     finally:
         await pair.close()
@@ -124,8 +129,7 @@ async def test_faults_and_strays_end_rooms_with_reasons(llama_dir: Path, caplog:
     caplog.set_level(logging.WARNING, logger="ppserve.kv")
     pair = Pair(llama_dir, DisaggFaults(drop_handshake=0.0, fail_transfer=1.0, seed=1))
     try:
-        [p] = pair.src.add_requests([PROMPT], PARAMS)
-        pair.src.step([p], chunk_size=128)
+        p, _ = await pair.prefill()
         blocks = pair.dst.allocator.allocate(5)
         pair.importers[0].expect("room", blocks)
         await pair.exporters[1].bootstrap("room", pair.targets(1))
@@ -136,15 +140,15 @@ async def test_faults_and_strays_end_rooms_with_reasons(llama_dir: Path, caplog:
         assert "no handshake for this room" in (await pair.wait_for(2, "Failed"))[1].error
         # A chunk for a room nobody announced is dropped and logged, never written.
         stray = open_sender("zmq", pair.ctx, pair.importers[0].address)
-        before = pair.dst.runners[0].kv_cache.clone()
-        data = pair.dst.runners[0].kv_cache[0:1, :, 0:1].clone() + 1
+        before = pair.dst.executor.runners[0].kv_cache.clone()
+        data = pair.dst.executor.runners[0].kv_cache[0:1, :, 0:1].clone() + 1
         await stray.send(KvChunk("other", 0, 0, 1, 0, 1, 1, "float32", tuple(data.shape)), data)
         for _ in range(100):
             if any("dropped a KV chunk of room other" in r.message for r in caplog.records):
                 break
             await asyncio.sleep(0.02)
         assert any("not expected here" in r.message for r in caplog.records)
-        assert pair.dst.runners[0].kv_cache.equal(before)
+        assert pair.dst.executor.runners[0].kv_cache.equal(before)
         stray.close()
     finally:
         await pair.close()
@@ -163,8 +167,7 @@ async def test_a_dropped_handshake_reports_nothing(llama_dir: Path) -> None:
 async def test_an_abort_stops_a_transfer_in_progress(llama_dir: Path) -> None:
     pair = Pair(llama_dir, DisaggFaults(jitter_ms=(200.0, 200.0), seed=3))  # every chunk waits 200 ms
     try:
-        [p] = pair.src.add_requests([PROMPT], PARAMS)
-        pair.src.step([p], chunk_size=128)
+        p, _ = await pair.prefill()
         await pair.exporters[2].bootstrap("room", pair.targets(2))  # two targets: two chunks at least
         export = asyncio.create_task(pair.exporters[2].export("room", p.block_table))
         await pair.wait_for(1, "Transferring")

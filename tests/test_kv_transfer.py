@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from ppserve.engine.kv_blocks import layer_slices, read_blocks, write_blocks
+from ppserve.engine.disagg.kv_blocks import layer_slices, read_blocks, write_blocks
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import context
 from ppserve.transport.kv_transfer import KvChunk, block_chunks, open_receiver, open_sender

@@ -71,9 +71,9 @@ def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str, blo
     rng = random.Random(11)
     prompts = [random_prompt(rng, n) for n in (1, 2, 5, 16, 17, 33, 48, 70)]
     pipe = pipeline(checkpoints[arch], pp_size=2, block_size=block_size, num_kv_blocks=4096 // block_size)
-    alone = [pipe.generate([p], GREEDY, chunk_size=4096)[0].token_ids for p in prompts]
+    alone = [pipe.generate([p], GREEDY)[0].token_ids for p in prompts]
 
-    from ppserve.engine.sampler import Sampler  # the batch is driven by hand here to control chunking
+    from ppserve.engine.model.sampler import Sampler  # the batch is driven by hand here to control chunking
     from ppserve.scheduler.request import Request
     from ppserve.transport.messages import SeqChunk
 
@@ -95,7 +95,7 @@ def test_chunked_batch_equals_alone(checkpoints: dict[str, Path], arch: str, blo
             chunks.append(SeqChunk(r.request_id, ids, r.num_computed_tokens, list(r.block_table), n == left))
             active.append(r)
         rng.shuffle(chunks)  # batch order must not matter either
-        logits = pipe.forward(chunks)
+        logits = pipe.executor.forward(chunks)
         by_id = {r.request_id: r for r in active}
         sampled = [by_id[c.request_id] for c in chunks if c.sample]
         for c in chunks:

@@ -14,7 +14,7 @@ from helpers import alive, pipeline, random_prompt
 
 from ppserve.engine.async_engine import AsyncEngine, EngineDeadError
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.stage_pool import StageError
+from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ async def wait_until(condition: object, timeout_s: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> list[list[int]]:
     """Greedy tokens from the single-process reference."""
-    return [g.token_ids for g in pipeline(llama_dir).generate(PROMPTS, GREEDY, chunk_size=8)]
+    return [g.token_ids for g in pipeline(llama_dir, chunked_prefill_size=8).generate(PROMPTS, GREEDY)]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from live_server import LiveServer
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.timeline import Interval, Timeline
+from ppserve.engine.runtime.timeline import Interval, Timeline
 from ppserve.server import native_api
 from ppserve.server.app import STATE, ServerOptions, ServerState
 from ppserve.server.responses import PipelineView, WsEvent

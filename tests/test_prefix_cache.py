@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 from helpers import pipeline, random_prompt
+from stepper import Stepper
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.latency_profile import profile_points
-from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.engine.offline import OfflineEngine
+from ppserve.engine.runtime.latency_profile import profile_points
 from ppserve.scheduler.chunk_predictor import LatencyModel
 from ppserve.scheduler.request import Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from ppserve.transport.messages import Sampled, StepPlan, StepResult
 
 BLOCK = 8
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -53,7 +53,7 @@ STEEP = LatencyModel(a=1e-6, b=1e-5, c=1e-3)
 
 
 def serve(
-    pipe: LocalPipeline, arrivals: Sequence[Arrival], caching: bool, num_blocks: int, dynamic: bool = False
+    pipe: OfflineEngine, arrivals: Sequence[Arrival], caching: bool, num_blocks: int, dynamic: bool = False
 ) -> Served:
     cfg = pipe.config
     s = Scheduler(
@@ -75,33 +75,20 @@ def serve(
     pending = deque(sorted(arrivals, key=lambda a: a.step))
     aborts = {a.name: a.abort_at for a in arrivals if a.abort_at is not None}
     requests: dict[str, Request] = {}
-    inflight: deque[StepPlan] = deque()
-    eos, max_len = cfg.model_config.eos_token_ids, cfg.max_model_len
-    chunk_sizes: set[int] = set()
-    step = 0
-    while pending or s.has_work or inflight:
-        while pending and pending[0].step <= step:
+
+    def script(steps: Stepper) -> bool:
+        while pending and pending[0].step <= steps.step:
             a = pending.popleft()
-            requests[a.name] = Request(a.name, a.prompt, a.params, eos, max_len)
+            requests[a.name] = pipe.request(a.prompt, a.params, a.name)
             s.add(requests[a.name])
         for name, at in aborts.items():
-            if at == step and name in requests:
+            if at == steps.step and name in requests:
                 s.abort(name)
-        while (plan := s.schedule()) is not None:
-            inflight.append(plan)
-        if inflight:  # what the stages do with the oldest plan (they run plans in order)
-            plan = inflight.popleft()
-            chunk_sizes |= {c.num_new for c in plan.chunks if not c.sample}
-            for rid in plan.released:
-                pipe.sampler.remove_request(rid)
-            for new in plan.new_requests:
-                pipe.sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids)
-            logits = pipe.forward(plan.chunks)
-            ids = [c.request_id for c in plan.chunks if c.sample]
-            samples = pipe.sampler.sample(ids, logits)
-            s.update(StepResult(plan.mb_id, [Sampled(r, x.token_id) for r, x in zip(ids, samples, strict=True)], []))
-        step += 1
-        assert step < 10_000
+        return bool(pending) or any(at >= steps.step for at in aborts.values())
+
+    steps = Stepper(pipe, s)
+    steps.run(script)
+    chunk_sizes = {c.num_new for plan in steps.ran for c in plan.chunks if not c.sample}
     assert s.allocator.num_free == num_blocks, "KV blocks leaked"
     return Served(
         {n: r.output_token_ids for n, r in requests.items()},
@@ -181,17 +168,17 @@ def test_every_stage_skips_the_cached_tokens(llama_dir: Path) -> None:
     system = random_prompt(rng, 100, pipe.config.model_config.vocab_size)
     first = Arrival(0, "first", system + random_prompt(rng, 7), GREEDY)
     second = Arrival(0, "second", system + random_prompt(rng, 11), GREEDY)
-    before = [r.tokens_computed for r in pipe.runners]
+    before = [r.tokens_computed for r in pipe.executor.runners]
     served = serve(pipe, [first], caching=True, num_blocks=64)
-    assert [r.tokens_computed - b for r, b in zip(pipe.runners, before, strict=True)] == [
+    assert [r.tokens_computed - b for r, b in zip(pipe.executor.runners, before, strict=True)] == [
         107 + 7
     ] * 3  # 8 tokens: 7 decodes
 
-    before = [r.tokens_computed for r in pipe.runners]
+    before = [r.tokens_computed for r in pipe.executor.runners]
     both = serve(pipe, [first, second], caching=True, num_blocks=64)
     cached = both.cached["second"]
     assert cached == 96 and both.cached["first"] == 0  # 12 full blocks of the 100 shared tokens
-    computed = [r.tokens_computed - b for r, b in zip(pipe.runners, before, strict=True)]
+    computed = [r.tokens_computed - b for r, b in zip(pipe.executor.runners, before, strict=True)]
     assert computed == [(107 + 7) + (111 - cached + 7)] * 3
     assert served.outputs["first"] == both.outputs["first"]
 
@@ -214,7 +201,7 @@ async def test_stage_processes_skip_cached_tokens_and_match_the_reference(llama_
     rng = random.Random(11)
     system = random_prompt(rng, 90)
     prompts = [system + random_prompt(rng, n) for n in (6, 13, 2)]
-    reference = [g.token_ids for g in pipeline(llama_dir).generate(prompts, GREEDY, chunk_size=16)]
+    reference = [g.token_ids for g in pipeline(llama_dir, chunked_prefill_size=16).generate(prompts, GREEDY)]
     async with AsyncEngine(engine_config(llama_dir, caching=True)) as engine:
         outputs, cached = [], []
         for prompt in prompts:

@@ -5,22 +5,22 @@ pipeline resets; through the scheduler and stages in one process, and through As
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import hf_log_softmax, pipeline, random_prompt
+from stepper import Stepper
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.local_pipeline import LocalPipeline
+from ppserve.engine.offline import OfflineEngine
 from ppserve.engine.outputs import TokenLogprob
 from ppserve.scheduler.request import Request, TokenScore
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import PROMPT_SCORE_CHUNK, Scheduler, SchedulerConfig
-from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan, StepResult
+from ppserve.transport.messages import PromptLogprobs, Sampled, StepResult
 
 BLOCK = 8
 CHUNK = 16  # prompts of 40+ tokens span several chunks
@@ -46,7 +46,7 @@ def as_scores(logprobs: list[TokenLogprob | None]) -> list[TokenScore]:
     return [(lp.logprob, list(lp.top_logprobs)) for lp in logprobs[1:] if lp is not None]
 
 
-def scheduler(pipe: LocalPipeline, num_blocks: int, caching: bool = True) -> Scheduler:
+def scheduler(pipe: OfflineEngine, num_blocks: int, caching: bool = True) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             num_blocks=num_blocks,
@@ -60,31 +60,27 @@ def scheduler(pipe: LocalPipeline, num_blocks: int, caching: bool = True) -> Sch
     )
 
 
-def serve(pipe: LocalPipeline, s: Scheduler, requests: Sequence[Request], reset_at: int | None = None) -> int:
+def serve(pipe: OfflineEngine, s: Scheduler, requests: Sequence[Request], reset_at: int | None = None) -> int:
     """Run requests to the end as the pipeline does: up to pp_size plans in flight, each run by
     every stage in order. At step `reset_at` the pipeline loses its state, as when a stage is
     replaced (the plans in flight are void, the last stage forgets its requests). Returns how
     many requests the reset preempted."""
     for r in requests:
         s.add(r)
-    inflight: deque[StepPlan] = deque()
-    step, reset = 0, 0
-    while s.has_work or inflight:
-        while (plan := s.schedule()) is not None:
-            inflight.append(plan)
-        if step == reset_at:
-            reset = s.reset_pipeline()
-            inflight.clear()
-            pipe.sampler.clear()
-        elif inflight:
-            s.update(pipe.run(inflight.popleft()))
-        step += 1
-        assert step < 10_000
+    reset = 0
+
+    def script(steps: Stepper) -> bool:
+        nonlocal reset
+        if steps.step == reset_at:
+            reset = steps.reset()
+        return reset_at is not None and steps.step < reset_at
+
+    Stepper(pipe, s).run(script)
     assert all(r.finished for r in requests)
     return reset
 
 
-def request(name: str, prompt: list[int], params: SamplingParams, pipe: LocalPipeline) -> Request:
+def request(name: str, prompt: list[int], params: SamplingParams, pipe: OfflineEngine) -> Request:
     return Request(name, prompt, params, pipe.config.model_config.eos_token_ids, pipe.config.max_model_len)
 
 
@@ -203,7 +199,7 @@ def test_only_scored_chunks_get_full_logits(llama_dir: Path) -> None:
     plain = s.schedule()
     assert plain is not None and plain.prompt_targets == []
     rows: list[int] = []
-    runner = pipe.runners[-1]
+    runner = pipe.executor.runners[-1]
     execute = runner.execute
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
@@ -212,8 +208,8 @@ def test_only_scored_chunks_get_full_logits(llama_dir: Path) -> None:
         return out
 
     runner.execute = spy  # type: ignore[method-assign]
-    s.update(pipe.run(plan))
-    s.update(pipe.run(plain))
+    s.update(pipe.executor.run(plan))
+    s.update(pipe.executor.run(plain))
     assert rows == [1 + 11, 1]
 
 
@@ -282,5 +278,5 @@ def test_a_result_after_the_request_ended_is_dropped(llama_dir: Path) -> None:
     plan = s.schedule()
     assert plan is not None
     s.abort("r")
-    s.update(StepResult(plan.mb_id, [Sampled("r", 3)], [], pipe.run(plan).prompt_logprobs))
+    s.update(StepResult(plan.mb_id, [Sampled("r", 3)], [], pipe.executor.run(plan).prompt_logprobs))
     assert r.prompt_scores == []

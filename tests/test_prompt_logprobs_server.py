@@ -18,7 +18,7 @@ from helpers import hf_log_softmax, random_prompt
 from live_server import LiveServer
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server.app import STATE, ServerOptions, ServerState
 from ppserve.server.openai_api import completions
 from ppserve.server.protocol import ApiError

@@ -14,9 +14,8 @@ from helpers import alive
 from test_pipeline import PROMPTS, collect, engine_config, wait_until
 
 from ppserve.engine.async_engine import AsyncEngine, EngineDeadError
-from ppserve.engine.stage_pool import StageError
+from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.transport.messages import StepResult
 
 pytestmark = pytest.mark.slow
 
@@ -106,13 +105,11 @@ async def test_a_failed_host_task_is_logged_and_kills_the_engine(
             raise OverflowError("int too big to convert")
 
         engine.scheduler.schedule = broken  # type: ignore[method-assign]
-        dead = pytest.raises(EngineDeadError, match=r"pipeline driver.*OverflowError")
+        dead = pytest.raises(EngineDeadError, match=r"engine core.*OverflowError")
         with caplog.at_level(logging.ERROR, logger="ppserve.engine"), dead:
             await asyncio.wait_for(collect(engine, PROMPTS[3], LONG_GREEDY), timeout=10)
         assert not engine.healthy
-        assert any(r.exc_info and "pipeline driver" in r.getMessage() for r in caplog.records)
-        # A result that arrives after everything was failed is dropped, not a KeyError.
-        engine._on_result(StepResult(10_000, [], []))
+        assert any(r.exc_info and "engine core" in r.getMessage() for r in caplog.records)
         assert engine.stats().kv_blocks_used == 0
 
 
@@ -149,11 +146,11 @@ async def test_recovery_on_other_tensor_channels(llama_dir: Path, fault_free: li
 async def test_stages_send_heartbeats_while_they_load(llama_dir: Path) -> None:
     """Liveness (and the stage's own orphan check) runs from the moment a stage starts, not only
     once its model is loaded and profiled: a heartbeat arrives before each stage's StageReady."""
-    from ppserve.engine.stage_pool import StagePool
+    from ppserve.engine.runtime.stage_pool import StagePool
     from ppserve.transport.messages import ControlMsg, Heartbeat, StageReady
 
     config = engine_config(llama_dir, 2, dynamic_chunking=True)  # start-up includes a ~1-3 s profile
-    pool = StagePool(config, lambda _: None, lambda _: None)
+    pool = StagePool(config, lambda _: None)
     seen: list[ControlMsg] = []
     recv = pool.inbox.recv
 

@@ -15,8 +15,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import RequestOutput
-from ppserve.engine.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.app import STATE, ServerOptions, create_app
 from ppserve.server.cli import build_parser, main

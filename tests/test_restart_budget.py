@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppserve.engine.restart_budget import RestartBudget
+from ppserve.engine.runtime.restart_budget import RestartBudget
 
 
 def test_budget_refuses_past_the_limit_and_recovers_as_the_window_slides() -> None:

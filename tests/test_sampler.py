@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ppserve.engine.sampler import Sampler, apply_penalties, filtered_probs
+from ppserve.engine.model.sampler import Sampler, apply_penalties, filtered_probs
 from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50

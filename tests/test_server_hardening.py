@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from live_server import LiveServer
 
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tokenizer import Tokenizer
 
 COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 USER = [{"role": "user", "content": "hi"}]

@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import BadStatusLine
 from aiohttp.test_utils import make_mocked_request
 from live_server import ROOT
 
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server import tokens
 from ppserve.server.client_errors import quiet_client_errors
 from ppserve.server.protocol import ApiError

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ppserve.engine.tiny_checkpoint import EOS
-from ppserve.engine.tokenizer import Tokenizer
+from ppserve.engine.model.tiny_checkpoint import EOS
+from ppserve.engine.model.tokenizer import Tokenizer
 
 TEXT = "Café in Zürich 東京 🙂🚀 -> the pipeline…"
 

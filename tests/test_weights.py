@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import pipeline, prompt_logits, random_prompt
 
-import ppserve.engine.weights as weights
+import ppserve.engine.model.weights as weights
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.model import StageModel
-from ppserve.engine.stage_runner import StageRunner
-from ppserve.engine.weights import load_stage_weights
+from ppserve.engine.model.model import StageModel
+from ppserve.engine.model.weights import load_stage_weights
+from ppserve.engine.runtime.stage_runner import StageRunner
 
 
 def test_sharded_equals_single_file(llama_dir: Path, sharded_dir: Path) -> None:

@@ -2,7 +2,7 @@
 
 On one host: `ipc://` sockets in a private temp dir (mode 0700, removed on close). Across nodes:
 `tcp://` on each node's own address, with ports its owner picked; node 0 hands the list to every
-node when they join (a `Layout`, engine/rendezvous.py).
+node when they join (a `Layout`, engine/cluster/rendezvous.py).
 
 Who binds: the host binds its inbox and one plan socket per stage; stage i+1 binds the edge from
 stage i. Everyone else connects.

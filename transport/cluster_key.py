@@ -4,7 +4,7 @@ Every node holds the same secret (`--cluster-key-file`, or env `PPSERVE_CLUSTER_
 ZeroMQ sockets use CURVE (encryption and authentication, built into libzmq) with one keypair
 derived from the secret: a server socket speaks only to clients that present that public key,
 which takes its secret half. A peer without the secret cannot finish the handshake, so nothing
-it sends reaches a stage; each refusal is logged. Joining the cluster (engine/rendezvous.py)
+it sends reaches a stage; each refusal is logged. Joining the cluster (engine/cluster/rendezvous.py)
 proves the secret too, with an HMAC, so that a node with the wrong one is refused by name.
 
 What the key does not cover: torch.distributed's own traffic (its TCPStore and the gloo/nccl

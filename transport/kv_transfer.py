@@ -1,6 +1,6 @@
 """KV transfer between a prefill stage and a decode stage (prefill/decode disaggregation).
 
-A prefill stage sends the KV of the layers it shares with a decode stage (engine/kv_blocks.py)
+A prefill stage sends the KV of the layers it shares with a decode stage (engine/disagg/kv_blocks.py)
 in chunks of whole blocks, so a long prompt streams out block by block and the receiver writes
 each chunk into the blocks it allocated as soon as it arrives. The backend is pluggable: `zmq`
 (frames over a PUSH/PULL pair, CPU memory, works across hosts and under the cluster key) is the

@@ -290,7 +290,7 @@ class NodeJoin(msgspec.Struct, frozen=True):
     addr: str
     hostname: str
     proof: str  # HMAC with the cluster key of the session and all the rest of this join ("" without a key)
-    fingerprint: dict[str, str]  # of its local checkpoint (engine/fingerprint.py)
+    fingerprint: dict[str, str]  # of its local checkpoint (engine/cluster/fingerprint.py)
     settings: dict[str, str]  # what every node must agree on (EngineConfig.cluster_settings)
     control: str  # the node agent's control socket (host -> node)
     edges: dict[int, str]  # stage -> the address its inbound edge binds

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ppserve.engine.cache_dir import cache_dir
+from ppserve.engine.model.cache_dir import cache_dir
 
 _CHUNK = 1 << 22
 

@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ppserve.engine.cache_dir import cache_dir
-from ppserve.engine.file_hash import file_sha256
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.cache_dir import cache_dir
+from ppserve.engine.model.file_hash import file_sha256
+from ppserve.engine.model.model_config import ConfigError
 
 INFO_FILE = "gguf.json"
 PREPARED_VERSION = "v1"  # bump when what prepare_gguf or read_gguf_tensors writes changes

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.cpu_affinity import pin_stage
-from ppserve.engine.gpu_clock import GpuClock, Span
-from ppserve.engine.kv_service import KvExporter, KvImporter
-from ppserve.engine.latency_profile import profile_points, run_profile
-from ppserve.engine.prompt_logprobs import last_stage_outputs, prompt_rows
-from ppserve.engine.synthetic import SyntheticRunner
+from ppserve.engine.disagg.kv_service import KvExporter, KvImporter
+from ppserve.engine.runtime.cpu_affinity import pin_stage
+from ppserve.engine.runtime.gpu_clock import GpuClock, Span
+from ppserve.engine.runtime.latency_profile import profile_points, run_profile
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
@@ -66,7 +66,7 @@ from ppserve.transport.messages import (
 from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
 
 if TYPE_CHECKING:
-    from ppserve.engine.stage_runner import StageRunner
+    from ppserve.engine.runtime.stage_runner import StageRunner
 
 log = logging.getLogger("ppserve.stage")
 HEARTBEAT_S = 0.2
@@ -225,7 +225,7 @@ class StageWorker:
                 await self._plans.put(msg)
 
     def _kv_message(self, msg: KvBootstrap | KvExport | KvExpect | KvForget) -> None:
-        """Disaggregation (engine/kv_service.py): KV transfers run beside the pipeline."""
+        """Disaggregation (engine/disagg/kv_service.py): KV transfers run beside the pipeline."""
         if isinstance(self.kv, KvExporter):
             if isinstance(msg, KvBootstrap):
                 self._kv_room(msg.room, self.kv.bootstrap(msg.room, msg.targets))
@@ -257,7 +257,7 @@ class StageWorker:
         mode = self.config.disaggregation
         if not mode:
             return
-        from ppserve.engine.disagg_faults import DisaggFaults
+        from ppserve.engine.disagg.faults import DisaggFaults
 
         loop = asyncio.get_running_loop()
 
@@ -310,7 +310,7 @@ class StageWorker:
             if cluster is None:
                 init_process_group(kind, self.stage, pp, "127.0.0.1", launch.dist_port, device_id=gpu)
             else:  # meet in the cluster's rendezvous store, run by node 0
-                from ppserve.engine.cluster import interface_of
+                from ppserve.engine.cluster.config import interface_of
 
                 # Connections between ranks go out on this node's address, not where the hostname points.
                 if (iface := interface_of(cluster.node_addr)) is not None:
@@ -328,7 +328,7 @@ class StageWorker:
         if self.config.dynamic_chunking:
             profile = await loop.run_in_executor(self.compute_pool, self._profile)
         if self.last:
-            from ppserve.engine.sampler import Sampler
+            from ppserve.engine.model.sampler import Sampler
 
             self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
         if launch.inbound is not None:
@@ -459,7 +459,7 @@ class StageWorker:
 def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
     if config.synthetic_latency is not None:
         return SyntheticRunner(config, stage)
-    from ppserve.engine.stage_runner import StageRunner
+    from ppserve.engine.runtime.stage_runner import StageRunner
 
     return StageRunner(config, stage)
 

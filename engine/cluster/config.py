@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.model_config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.model_config import ConfigError
 
 
 def partition_layers(num_layers: int, pp_size: int, spec: str | None = None) -> tuple[range, ...]:

@@ -6,7 +6,7 @@ it must load. The math follows transformers' modeling files op for op (norms in 
 tables in float32), which is what makes logits match them closely.
 
 Once loaded, `StageModel.fuse()` replaces the checkpoint-named projections with fused, packed
-`Linear`s (engine/linear.py): q/k/v as one GEMM, gate/up as one, and every weight packed for
+`Linear`s (engine/model/linear.py): q/k/v as one GEMM, gate/up as one, and every weight packed for
 oneDNN on the CPU. The forward pass runs on those.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-from ppserve.engine.linear import Linear, fuse_linears
-from ppserve.engine.model_config import ModelConfig, RopeConfig
+from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from ppserve.engine.model.linear import Linear, fuse_linears
+from ppserve.engine.model.model_config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):
@@ -171,7 +171,7 @@ class StageModel(nn.Module):
         self.head: Linear | None = None  # lm_head, set by fuse()
 
     def fuse(self) -> None:
-        """After loading: fused, packed projections for the forward pass (see engine/linear.py)."""
+        """After loading: fused, packed projections for the forward pass (see engine/model/linear.py)."""
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()

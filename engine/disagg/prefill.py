@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation, the prefill host's half (engine/disagg.py has the picture): it
+"""Prefill/decode disaggregation, the prefill host's half (engine/disagg/rooms.py has the picture): it
 checks each room a decode host opens, admits it centrally when every stage is ready
 (scheduler/bootstrap.py), prefills it, has the stages send the KV, and tells the decode host
 where the room stands every second."""
@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ppserve.engine.disagg import (
+from ppserve.engine.disagg.kv_blocks import LayerSlice, layer_slices
+from ppserve.engine.disagg.rooms import (
     MAX_ROOM_CHARS,
     PROGRESS_S,
     TICK_S,
@@ -23,7 +24,6 @@ from ppserve.engine.disagg import (
     room_guard,
     room_inbox,
 )
-from ppserve.engine.kv_blocks import LayerSlice, layer_slices
 from ppserve.scheduler.bootstrap import BootstrapTable, KvState, Room, handshake_order
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.control import context

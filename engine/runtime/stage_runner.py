@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ppserve.engine.attention import AttentionMetadata, GatherBuffers
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.kv_cache import allocate_kv_cache
-from ppserve.engine.model import StageModel, rope_inv_freq
-from ppserve.engine.model_config import ConfigError
-from ppserve.engine.weights import load_stage_weights
+from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers
+from ppserve.engine.model.kv_cache import allocate_kv_cache
+from ppserve.engine.model.model import StageModel, rope_inv_freq
+from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.weights import load_stage_weights
 from ppserve.transport.messages import SeqChunk
 
 

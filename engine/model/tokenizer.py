@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.model_config import ConfigError
 
 # Tokens of context kept before the unread ones: enough for a tokenizer to decode a word's
 # leading space (SentencePiece) or finish a multi-token character (byte-level BPE) correctly.

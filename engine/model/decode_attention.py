@@ -6,7 +6,7 @@ several times what reading the cache once does (scripts/profile_step.py). The ke
 cache in place.
 
 It is compiled with the system's g++ at the first stage start on a machine (about a second) into
-`kernels/` of the cache directory (engine/cache_dir.py: ~/.cache/ppserve by default), keyed by
+`kernels/` of the cache directory (engine/model/cache_dir.py: ~/.cache/ppserve by default), keyed by
 the source, the compiler and the CPU's flags, and loaded from there afterwards. Where there is
 no compiler, or the build fails, decode attention falls back to SDPA, with one warning.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ppserve.engine.cache_dir import cache_dir
+from ppserve.engine.model.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ void what they hold (`Reset`, answered by `ResetDone`), and a fresh process load
 layers and opens the same channels. With torch.distributed channels (gloo, nccl) a process
 group cannot take in a new member, so every stage is replaced.
 
-Across nodes (`config.cluster`), node 0's pool first admits the other nodes (engine/rendezvous.py),
+Across nodes (`config.cluster`), node 0's pool first admits the other nodes (engine/cluster/rendezvous.py),
 then spawns only its own stages; the others are `RemoteStage`s, started and stopped by their
-node's agent and watched through its heartbeats (engine/remote_nodes.py). There a failure is
+node's agent and watched through its heartbeats (engine/cluster/remote_nodes.py). There a failure is
 fatal: the engine fails its requests and the cluster is restarted as a whole.
 """
 
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
 
+from ppserve.engine.cluster.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
-from ppserve.engine.stage_worker import StageLaunch, stage_main
+from ppserve.engine.runtime.stage_worker import StageLaunch, stage_main
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
@@ -56,7 +56,7 @@ from ppserve.transport.messages import (
 from ppserve.transport.tensor_channel import ChannelSpec
 
 if TYPE_CHECKING:
-    from ppserve.engine.rendezvous import HostRendezvous
+    from ppserve.engine.cluster.rendezvous import HostRendezvous
 
 log = logging.getLogger("ppserve.engine")
 MONITOR_S = 0.1
@@ -78,11 +78,11 @@ class StagePool:
     def __init__(
         self,
         config: EngineConfig,
-        on_result: Callable[[StepResult], None],
         on_failure: Callable[[StageError], None],
     ) -> None:
         self.config = config
-        self.on_result = on_result
+        # The last stage's results, in plan order (None: a wake-up, see executors.py).
+        self.results: asyncio.Queue[StepResult | None] = asyncio.Queue()
         # Called once per failed stage process while serving; during start-up or a replacement,
         # failures are raised by `start` / `replace` instead.
         self.on_failure = on_failure
@@ -172,8 +172,8 @@ class StagePool:
         await self._handshake(set(range(self.config.pp_size)), set())
 
     async def _admit_nodes(self) -> None:
-        from ppserve.engine.fingerprint import checkpoint_fingerprint
-        from ppserve.engine.rendezvous import HostRendezvous
+        from ppserve.engine.cluster.fingerprint import checkpoint_fingerprint
+        from ppserve.engine.cluster.rendezvous import HostRendezvous
 
         cluster = self.config.cluster
         assert cluster is not None
@@ -308,7 +308,7 @@ class StagePool:
             msg = await self.inbox.recv()
             if isinstance(msg, StepResult):
                 self.last_seen[-1] = time.monotonic()
-                self.on_result(msg)
+                self.results.put_nowait(msg)
                 continue
             if isinstance(msg, NodeHeartbeat) and self.nodes is not None:
                 self.nodes.heard(msg.node)

@@ -13,7 +13,7 @@ prefill stages hold them: the decode side need not know how the prefill side is 
 reports Received.
 
 Blocks are read and written where the stage computes (`run`), so the cache is never touched by
-two threads at once. Faults (engine/disagg_faults.py) apply here, per stage.
+two threads at once. Faults (engine/disagg/faults.py) apply here, per stage.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq.asyncio
 
-from ppserve.engine.disagg_faults import FaultDice
-from ppserve.engine.kv_blocks import read_blocks, write_blocks
+from ppserve.engine.disagg.faults import FaultDice
+from ppserve.engine.disagg.kv_blocks import read_blocks, write_blocks
 from ppserve.transport.kv_transfer import KvChunk, KvSender, block_chunks, open_receiver, open_sender
 from ppserve.transport.messages import KvStatus, KvTarget
 from ppserve.transport.peers import AddressError, LogLimiter, check_address

@@ -1,6 +1,6 @@
 """A node other than node 0: joins the cluster, runs its own stages, and keeps them tied to the host.
 
-    join (engine/rendezvous.py) -> spawn this node's stages -> until told to stop:
+    join (engine/cluster/rendezvous.py) -> spawn this node's stages -> until told to stop:
         NodeHeartbeat to the host every 0.2 s; a stage process that ends is reported
         the host silent for HOST_TIMEOUT_S (killed, or the link cut): stop the stages, exit 1
         Shutdown from the host: the stages drain (they got it too); after a grace, kill the rest
@@ -21,12 +21,12 @@ from multiprocessing.process import BaseProcess
 
 import msgspec
 
+from ppserve.engine.cluster.fingerprint import checkpoint_fingerprint
+from ppserve.engine.cluster.remote_nodes import BEAT_S
+from ppserve.engine.cluster.rendezvous import join_cluster
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.fingerprint import checkpoint_fingerprint
-from ppserve.engine.remote_nodes import BEAT_S
-from ppserve.engine.rendezvous import join_cluster
-from ppserve.engine.stage_pool import channel_specs, spawn_stage
-from ppserve.engine.stage_worker import StageLaunch
+from ppserve.engine.runtime.stage_pool import channel_specs, spawn_stage
+from ppserve.engine.runtime.stage_worker import StageLaunch
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context

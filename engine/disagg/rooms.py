@@ -1,5 +1,5 @@
-"""Prefill/decode disaggregation, host side: the rooms of a prefill engine (engine/disagg_prefill.py)
-and of a decode engine (engine/disagg_decode.py), and what the two share (here).
+"""Prefill/decode disaggregation, host side: the rooms of a prefill engine (engine/disagg/prefill.py)
+and of a decode engine (engine/disagg/decode.py), and what the two share (here).
 
     decode host                              prefill host                      prefill stages
     reserve blocks; KvExpect -> its stages

@@ -1,7 +1,7 @@
 """The host's view of the other nodes of a cluster: their stages and whether they are there.
 
 A stage on another node is not a child of the host, so its death cannot be seen with waitpid.
-Each node's agent (engine/node_agent.py) sends a NodeHeartbeat every 0.2 s and reports a stage
+Each node's agent (engine/runtime/node_agent.py) sends a NodeHeartbeat every 0.2 s and reports a stage
 process that ends; the host sends each agent a HostHeartbeat just as often. A node silent for
 `NODE_TIMEOUT_S` (killed, or its link cut) is lost: the engine fails what is in flight, naming
 the node and its stages. The agent of a node that no longer hears the host stops its stages, so

@@ -4,7 +4,7 @@ Each node loads its stages from its own copy of the checkpoint, so node 0 compar
 when a node joins: config.json, and the weight index (the sharded index file, or the header of a
 single model.safetensors: every tensor's name, dtype, shape and offset). Tensor values are not
 read: that would mean reading every weight on every start. A GGUF checkpoint is named by its
-file's sha256 (engine/file_hash.py computes it once per version of the file).
+file's sha256 (engine/model/file_hash.py computes it once per version of the file).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import hashlib
 import struct
 from pathlib import Path
 
-from ppserve.engine.gguf_checkpoint import gguf_sha256, is_prepared_gguf
-from ppserve.engine.model_config import ConfigError
-from ppserve.engine.weights import INDEX_FILE, SINGLE_FILE
+from ppserve.engine.model.gguf_checkpoint import gguf_sha256, is_prepared_gguf
+from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.weights import INDEX_FILE, SINGLE_FILE
 
 
 def checkpoint_fingerprint(model_dir: str | Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation, the decode host's half (engine/disagg.py has the picture): it
+"""Prefill/decode disaggregation, the decode host's half (engine/disagg/rooms.py has the picture): it
 reserves a request's KV, opens a room at a prefill server, and decodes on once the first token
 and every stage's KV are in, or fails the room when the prefill side goes silent."""
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ppserve.engine.disagg import (
+from ppserve.engine.disagg.rooms import (
     PROGRESS_S,
     TICK_S,
     UNDELIVERED,

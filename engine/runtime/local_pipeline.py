@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.prompt_logprobs import last_stage_outputs, prompt_rows
-from ppserve.engine.sampler import Sample, Sampler
-from ppserve.engine.stage_runner import StageRunner
+from ppserve.engine.model.sampler import Sample, Sampler
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.scheduler.block_allocator import BlockAllocator
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams

@@ -25,8 +25,8 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 
-from ppserve.engine.cluster import ClusterConfig
-from ppserve.engine.fingerprint import describe_mismatch
+from ppserve.engine.cluster.config import ClusterConfig
+from ppserve.engine.cluster.fingerprint import describe_mismatch
 from ppserve.transport.cluster_key import proof, proof_matches
 from ppserve.transport.messages import Layout, NodeJoin, Verdict, decode_struct, encode_struct
 from ppserve.transport.peers import AddressError, check_address

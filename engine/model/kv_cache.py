@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ppserve.engine.model_config import ModelConfig
+from ppserve.engine.model.model_config import ModelConfig
 
 
 def kv_bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:

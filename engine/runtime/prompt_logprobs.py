@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ppserve.engine.sampler import Sampler
+from ppserve.engine.model.sampler import Sampler
 from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan
 
 SLICE_ROWS = 64  # rows scored at a time

@@ -1,5 +1,5 @@
 """Load a stage's tensors, and only those, from `model.safetensors`, a sharded index, or a prepared
-GGUF checkpoint (engine/gguf_checkpoint.py)."""
+GGUF checkpoint (engine/model/gguf_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ppserve.engine.gguf_checkpoint import gguf_tensor_names, is_prepared_gguf, read_gguf_tensors
-from ppserve.engine.model import StageModel
-from ppserve.engine.model_config import ConfigError
+from ppserve.engine.model.gguf_checkpoint import gguf_tensor_names, is_prepared_gguf, read_gguf_tensors
+from ppserve.engine.model.model import StageModel
+from ppserve.engine.model.model_config import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

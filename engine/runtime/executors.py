@@ -1,0 +1,104 @@
+"""The two ways `EngineCore` runs its plans.
+
+- `InProcessExecutor`: every stage's runner in this process, called in turn on one worker thread
+  (the event loop stays free). Tests and offline generation use it; it is the reference the
+  stage processes must agree with.
+- `StagePoolExecutor`: the stage processes (stage_pool.py), each plan sent to every stage, the
+  last stage's result read back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.sampler import Sampler
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.stage_pool import StagePool
+from ppserve.engine.runtime.stage_runner import StageRunner
+from ppserve.transport.messages import SeqChunk, StepPlan, StepResult
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runners = [StageRunner(config, i) for i in range(config.pp_size)]
+        # The last stage's sampling state: the stage processes keep the same (stage_worker.py).
+        self.sampler = Sampler(config.model_config.vocab_size, torch.device(config.device))
+        self._plans: deque[StepPlan] = deque()
+        self._woken = False  # a plan or a wake-up came since the last `next_result`
+        self._waiter: asyncio.Future[None] | None = None  # while `next_result` waits for one
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def forward(
+        self, chunks: Sequence[SeqChunk], all_logits: bool = False, prompt_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """One micro-batch through every stage in turn; returns the last stage's logits."""
+        out: torch.Tensor | None = None
+        for runner in self.runners:
+            out = runner.execute(chunks, out, all_logits=all_logits, prompt_rows=prompt_rows)
+        assert out is not None
+        return out
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """A plan, run as the stage processes run it (without timings)."""
+        logits = self.forward(plan.chunks, prompt_rows=prompt_rows(plan))
+        samples, prompt_logprobs = last_stage_outputs(self.sampler, plan, logits)
+        return StepResult(plan.mb_id, samples, [], prompt_logprobs)
+
+    def submit(self, plan: StepPlan) -> None:
+        self._plans.append(plan)
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        self._woken = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_result(self) -> StepResult | None:
+        if not self._plans:
+            if not self._woken:
+                # A future per wait, not an Event: offline generation runs each batch in a new loop.
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            self._woken = False
+            if not self._plans:
+                return None
+        plan = self._plans.popleft()
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.run, plan)
+
+    def reset(self) -> None:
+        """Void the queued plans and the sampling state, as a pipeline reset does to the stages."""
+        self._plans.clear()
+        self.sampler.clear()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+class StagePoolExecutor:
+    def __init__(self, pool: StagePool) -> None:
+        self.pool = pool
+        self._woken = False  # a wake-up is queued among the results: one is enough
+
+    def submit(self, plan: StepPlan) -> None:
+        self.pool.send_plan(plan)
+
+    async def next_result(self) -> StepResult | None:
+        result = await self.pool.results.get()
+        if result is None:
+            self._woken = False
+        return result
+
+    def interrupt(self) -> None:
+        if not self._woken:
+            self._woken = True
+            self.pool.results.put_nowait(None)
