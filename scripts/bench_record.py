@@ -10,6 +10,7 @@ Each `scripts/bench_*.py` (and `scripts/profile_step.py`) writes its results JSO
     script     the script, relative to the repository
     argv       its command-line arguments
     settings   its parsed parameters (argparse's namespace, or what the script passes)
+    env        the PPSERVE_* environment variables set, keys aside (they change what is measured)
     machine    cpus, cpu_model (from /proc/cpuinfo), mem_gib, platform, python, torch
 
 `scripts/bench_tables.py` reads them to say, under every table, what it was measured at.
@@ -94,7 +95,7 @@ def jsonable(value: Any) -> Any:
 
 
 def provenance(settings: argparse.Namespace | Mapping[str, Any] | None, script: str | None = None) -> dict[str, Any]:
-    """The keys `write_result` adds: commit, dirty, date, script, argv, settings, machine."""
+    """The keys `write_result` adds: commit, dirty, date, script, argv, settings, env, machine."""
     values = vars(settings) if isinstance(settings, argparse.Namespace) else dict(settings or {})
     path = Path(script or sys.argv[0]).resolve()
     try:
@@ -107,6 +108,7 @@ def provenance(settings: argparse.Namespace | Mapping[str, Any] | None, script: 
         "script": name,
         "argv": sys.argv[1:],
         "settings": jsonable(values),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("PPSERVE_") and "KEY" not in k},
         "machine": machine(),
     }
 
