@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_record import write_result
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
@@ -207,12 +208,12 @@ async def main() -> None:
     summary = summarize(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": "chunking",
         "synthetic_latency": {"a": LATENCY[0], "b": LATENCY[1], "c": LATENCY[2]},
         "rows": rows,
         "summary": summary,
     }
-    (RESULTS / "chunking.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "chunking.json", result, args)
     print(json.dumps(summary, indent=2))
     try:
         from plot_timeline import plot_timeline

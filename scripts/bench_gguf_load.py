@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_record import write_result  # noqa: E402
 from peers_setup import smollm2_hf_dir  # noqa: E402
 
 from ppserve.server.demo import DEMO_MODEL, demo_model  # noqa: E402
@@ -77,15 +77,13 @@ def main() -> None:
     report = {
         "benchmark": "gguf_load",
         "model": f"{DEMO_MODEL} Q4_1 GGUF, to float32, PP=1 (config, tokenizer, weights)",
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rounds": args.rounds,
         "seconds": times,
         "median_s": medians,
         "cached_start_adds_s": medians["gguf_cached"] - medians["safetensors"],
         "first_vs_transformers": medians["transformers_gguf"] / medians["gguf_first"],
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, args)
     print(json.dumps({k: report[k] for k in ("median_s", "cached_start_adds_s", "first_vs_transformers")}, indent=2))
 
 

@@ -10,8 +10,6 @@ time (> 1 means ppserve is faster). Writes benchmarks/results/model.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -23,6 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_record import write_result  # noqa: E402
 
 from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
@@ -172,13 +172,10 @@ def main() -> None:
         "reps": args.reps,
         "prompt_tokens": {"prefill": PROMPT_LEN, "decode": DECODE_PROMPT_LEN},
         "decode_tokens": DECODE_TOKENS,
-        "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
-        "torch": torch.__version__,
         "results": results,
         "ppserve_decode_batch16_time_split": time_split,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, args)
     print(f"{num_params / 1e6:.1f}M params, {args.threads} threads (ratio > 1: ppserve faster)")
     for name, r in results.items():
         print(f"  {name:16s} " + "  ".join(f"{k}={v:.4g}" for k, v in r.items()))

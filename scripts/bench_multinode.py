@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_record import write_result  # noqa: E402
 from netns import Cluster, Unavailable  # noqa: E402
 from tun_switch import TunSwitch  # noqa: E402
 
@@ -192,14 +192,14 @@ def main() -> None:
         r["single_ratio"] = round(r["single_stream_tok_s"] / one["single_stream_tok_s"], 3)
         r["batch_ratio"] = round(r["batch_tok_s"] / one["batch_tok_s"], 3)
     out = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": "multinode",
         "model": {"hidden_size": SPEC.hidden_size, "layers": SPEC.num_layers, "pp_size": 4},
         "streams": streams,
         "tokens_per_stream": tokens,
         "results": results,
     }
     path = ROOT / "benchmarks" / "results" / "multinode.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(path, out, args)
     print(json.dumps(results, indent=2))
     print(f"wrote {path}")
 

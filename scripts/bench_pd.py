@@ -17,10 +17,7 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +26,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_record import write_result  # noqa: E402
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
@@ -135,11 +134,6 @@ async def main_async(quick: bool) -> dict[str, Any]:
         "handover_s": round(pd["idle_ttft_s"] - pd["prefill_engine_alone_idle_ttft_s"], 3),
     }
     results["workload"] = {"decode_streams": streams, "long_prompts": longs, "long_prompt_tokens": long_len}
-    results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
-    results["commit"] = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    results["settings"] = {"quick": quick, "cluster_key": True, "prefix_caching": False}
     return results
 
 
@@ -149,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     results = asyncio.run(main_async(args.quick))
     path = ROOT / "benchmarks" / "results" / "pd.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    # What the script fixes, beside its flags: the pair runs under a cluster key, caching off.
+    write_result(path, {"benchmark": "pd", **results}, {**vars(args), "cluster_key": True, "prefix_caching": False})
     print(json.dumps(results, indent=2))
     print(f"wrote {path}")
 

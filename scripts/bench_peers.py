@@ -36,7 +36,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -57,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_serving as bs  # noqa: E402
+from bench_record import write_result  # noqa: E402
 from peers_setup import (  # noqa: E402
     LLAMA_SERVER,
     LOGS,
@@ -298,14 +298,8 @@ def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def environment() -> dict[str, Any]:
-    """The machine and the versions of everything measured."""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
-    mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    machine = {"cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "platform": platform.platform()}
-    versions = {"ppserve": importlib.metadata.version("ppserve"), "python": platform.python_version()}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    versions["ppserve_commit"] = commit
+    """The versions of everything measured (the commit and the machine: `write_result`)."""
+    versions = {"ppserve": importlib.metadata.version("ppserve")}
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         code = "import torch, vllm; print(vllm.__version__, torch.__version__)"
         out = subprocess.check_output([str(PEERS_PY), "-c", code], text=True)
@@ -313,7 +307,7 @@ def environment() -> dict[str, Any]:
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         out = subprocess.check_output([str(LLAMA_SERVER), "--version"], text=True, stderr=subprocess.STDOUT)
         versions["llama_server"] = " ".join(line for line in out.splitlines() if "version" in line)
-    return {"machine": machine | {"loadavg_at_end": os.getloadavg()}, "versions": versions}
+    return {"machine": {"loadavg_at_end": os.getloadavg()}, "versions": versions}
 
 
 def plot(engines: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -427,7 +421,6 @@ def main() -> None:
     engines = {name: summarize_engine(runs[name]) for name in runs}
     report = {
         "benchmark": "peers",
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
         "model_dir": str(model_dir.relative_to(ROOT)),
         "model_shape": SHAPES[args.shape],
         **environment(),
@@ -446,8 +439,7 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "peers" + (f"_{args.tag}" if args.tag else "")
-    report = json.loads(json.dumps(report), parse_constant=lambda _: None)  # NaN -> null
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out_dir / f"{stem}.json", report, args)  # NaN -> null
     lens = "{}:{} in, {}:{} out".format(*args.input_len, *args.output_len)
     n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
     title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"

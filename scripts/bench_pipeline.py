@@ -14,9 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_record import write_result  # noqa: E402
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
@@ -265,14 +264,11 @@ def main() -> None:
 
     report = {
         "benchmark": "pipeline",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "torch": torch.__version__,
         "decode_64_concurrent": {"model_params_m": 50.3, **decode},
         "overhead_pp4_near_zero_compute": over,
         "channel_round_trip_us": channels,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, args)
     print(
         f"(a) decode, 64 concurrent: PP=1 {decode['pp1_tokens_per_s']:.0f} tok/s, "
         f"PP=2 {decode['pp2_tokens_per_s']:.0f} tok/s, ratio {decode['ratio_pp2_over_pp1']:.2f}"

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -46,7 +44,6 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import torch
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,6 +52,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_peers as bp  # noqa: E402
 import bench_serving as bs  # noqa: E402
+from bench_record import write_result  # noqa: E402
 from peers_setup import SHAPES, checkpoint  # noqa: E402
 
 from ppserve.engine.model.tokenizer import Tokenizer  # noqa: E402
@@ -302,10 +300,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, extr
         workloads[name] = {"on": on, "off": off, "ratios": {k: a / b if b else None for k, (a, b) in pairs.items()}}
     return {
         "benchmark": "prefix_cache",
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
         **extra,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_end": os.getloadavg()},
-        "torch": torch.__version__,
+        "machine": {"loadavg_at_end": os.getloadavg()},  # beside what write_result records
         "workloads": workloads,
         "rounds": runs,  # every round's figures, each workload's errors among them
     }
@@ -393,9 +389,7 @@ def main() -> None:
              "greedy_replies_identical_fraction": sum(same) / len(same),
              "wall_s": round(time.monotonic() - t0)}  # fmt: skip
     result = report(runs, args, extra)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json.loads(json.dumps(result), parse_constant=lambda _: None), indent=2) + "\n")
+    out = write_result(args.out, result, args)
     print_table(result)
     print(f"scheduler, no-sharing requests: {host['scheduler_s_on'] * 1e3:.1f} ms with caching, "
           f"{host['scheduler_s_off'] * 1e3:.1f} ms without: {host['fraction_of_run']:.2%} of the run")  # fmt: skip

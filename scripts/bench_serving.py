@@ -24,7 +24,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import re
 import signal
@@ -46,6 +45,8 @@ import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_record import write_result  # noqa: E402
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
 from ppserve.engine.config import EngineConfig  # noqa: E402
@@ -400,13 +401,7 @@ def main() -> None:
     modes = {m: median_summary(r) for m, r in runs.items()}
     report: dict[str, Any] = {
         "benchmark": "serving",
-        "config": {
-            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "api_key"},
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        },
         "model_dir": str(model_dir),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "torch": torch.__version__,
         "modes": {m: {**modes[m], "errors": sorted({e for r in runs[m] for e in r["errors"]})[:5]} for m in modes},
         "rounds": {m: [{k: v for k, v in r.items() if k != "_samples"} for r in rs] for m, rs in runs.items()},
     }
@@ -418,9 +413,8 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "serving" + (f"_{args.tag}" if args.tag else "")
-    # NaN (a statistic with no samples) is not JSON: write null.
-    report = json.loads(json.dumps(report), parse_constant=lambda _: None)
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    # NaN (a statistic with no samples) is written as null; the API key is no setting to keep.
+    write_result(out_dir / f"{stem}.json", report, {k: v for k, v in vars(args).items() if k != "api_key"})
     rate = "all at once" if math.isinf(args.request_rate) else f"Poisson {args.request_rate:g} req/s"
     lens = "input {}:{}, output {}:{} tokens".format(*args.input_len, *args.output_len)
     title = f"{args.num_requests} requests, {rate}, {lens}"

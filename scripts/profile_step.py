@@ -26,6 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_record import write_result  # noqa: E402
+
 from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.engine.model import linear  # noqa: E402
 from ppserve.engine.runtime.local_pipeline import LocalPipeline  # noqa: E402
@@ -110,6 +112,7 @@ def main() -> None:
     profiled = sum(groups.values())
     # What no op accounts for in the unprofiled step is Python: module calls and metadata.
     result = {
+        "benchmark": "profile_step",
         "model_dir": a.model_dir,
         "dtype": a.dtype,
         "batch": a.batch,
@@ -122,7 +125,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     out = ROOT / "benchmarks/results" / (f"profile_step_{a.tag}.json" if a.tag else "profile_step.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, a)
 
 
 if __name__ == "__main__":

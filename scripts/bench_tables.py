@@ -1,0 +1,586 @@
+"""Render the documentation's benchmark tables from the results JSONs.
+
+A table in README.md or docs/*.md sits between two markers that name it:
+
+    <!-- bench-table: peers_small -->
+    | ... the table, and a line saying what it was measured at ... |
+    <!-- /bench-table -->
+
+    .venv/bin/python scripts/bench_tables.py           # rewrite every marked table from its JSON
+    .venv/bin/python scripts/bench_tables.py --check   # exit 1, naming each table that differs
+
+tests/test_bench_tables.py runs the check. Run this after a benchmark, then read the prose around
+each table: it quotes some of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MARKER = re.compile(r"<!-- bench-table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /bench-table -->", re.DOTALL)
+
+Result = dict[str, Any]
+Row = Sequence[str]
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+def num(x: float, digits: int = 1) -> str:
+    """`x` rounded half up as written (so 2.145 gives 2.15, as a person rounds it)."""
+    q = Decimal(1).scaleb(-digits)
+    return str(Decimal(repr(float(x))).quantize(q, rounding=ROUND_HALF_UP))
+
+
+def thousands(x: float) -> str:
+    return f"{round(x):,}"
+
+
+def bold(text: str, on: bool = True) -> str:
+    return f"**{text}**" if on else text
+
+
+def us_or_ms(us: float) -> str:
+    return f"{num(us, 0)} µs" if us < 1000 else f"{num(us / 1000, 2)} ms"
+
+
+def markdown(header: Row, rows: Iterable[Row]) -> list[str]:
+    def line(cells: Row) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
+
+
+# --- what a table was measured at -------------------------------------------------------------
+
+
+def provenance_line(names: Sequence[str], results: Sequence[Result], doc_dir: Path, root: Path) -> str:
+    """One line under the table: the commit, the machine and the JSON of each result."""
+    parts = []
+    for name, r in zip(names, results, strict=True):
+        link = f"[`{name}`]({os.path.relpath(root / 'benchmarks' / 'results' / name, doc_dir)})"
+        commit = r.get("commit")
+        if not commit:
+            parts.append(f"{link}: commit not recorded (an older result)")
+            continue
+        m = r.get("machine", {})
+        machine = ", ".join(
+            str(x)
+            for x in (
+                f"{m['cpus']} cores" if m.get("cpus") else None,
+                m.get("cpu_model"),
+                f"torch {m['torch']}" if m.get("torch") else None,
+            )
+            if x
+        )
+        dirty = ", with uncommitted changes" if r.get("dirty") else ""
+        parts.append(f"{link}: commit `{commit[:12]}`{dirty}" + (f" ({machine})" if machine else ""))
+    return "Measured at: " + "; ".join(parts) + "."
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+
+def table_gguf_load(r: Sequence[Result]) -> list[str]:
+    d = r[0]
+    med = d["median_s"]
+    labels = [
+        ("gguf_first", "first start: prepare (metadata, tokenizer), dequantize, cache"),
+        ("gguf_cached", "cached start"),
+        ("safetensors", "the same weights as a safetensors directory"),
+        ("transformers_gguf", "transformers' own GGUF loader (`from_pretrained(gguf_file=...)`), for comparison"),
+    ]
+    return markdown(["start", f"seconds (median of {d['rounds']})"], [(label, num(med[k])) for k, label in labels])
+
+
+PEER_ORDER = ["ppserve-pp1", "vllm", "ppserve-pp2", "vllm-pp2", "llama-server", "llama-server-q4_1"]
+RIVAL = {"ppserve-pp1": "vllm", "ppserve-pp2": "vllm-pp2"}
+LOWER_IS_BETTER = {"ttft_ms_p50", "itl_ms_p50", "batch1_itl_ms_p50"}
+
+
+def peers_table(labels: dict[str, str], tok_digits: int) -> Callable[[Sequence[Result]], list[str]]:
+    """Engines of one or more peers JSONs (later files add engines). A ppserve burst figure is bold
+    where it beats vLLM's at the same pipeline size."""
+
+    def render(results: Sequence[Result]) -> list[str]:
+        engines: dict[str, dict[str, float]] = {}
+        for r in results:
+            engines.update(r["engines"])
+        formats: list[tuple[str, Callable[[float], str], bool]] = [
+            ("output_tok_s", lambda v: num(v, tok_digits), True),
+            ("ttft_ms_p50", lambda v: f"{num(v / 1000, 2)} s", True),
+            ("itl_ms_p50", lambda v: f"{num(v)} ms", True),
+            ("batch1_tok_s", lambda v: num(v), False),
+            ("batch1_itl_ms_p50", lambda v: f"{num(v)} ms", False),
+        ]
+        rows = []
+        for name in (n for n in PEER_ORDER if n in engines and n in labels):
+            e, rival = engines[name], engines.get(RIVAL.get(name, ""))
+            cells = [labels[name]]
+            for key, fmt, burst in formats:
+                better = rival is not None and (e[key] < rival[key] if key in LOWER_IS_BETTER else e[key] > rival[key])
+                cells.append(bold(fmt(e[key]), burst and better))
+            rows.append(cells)
+        header = ["engine", "output tok/s", "TTFT p50", "ITL p50", "batch-1 tok/s", "batch-1 ITL p50"]
+        return markdown(header, rows)
+
+    return render
+
+
+VLLM = "vLLM, 2 threads"
+table_peers_small = peers_table(
+    {
+        "ppserve-pp1": "ppserve, PP=1",
+        "vllm": VLLM,
+        "ppserve-pp2": "ppserve, PP=2",
+        "vllm-pp2": "vLLM, PP=2 (a core per stage)",
+        "llama-server": "llama-server (2 threads, 16 slots)",
+    },
+    0,
+)
+table_peers_realistic = peers_table(
+    {
+        "ppserve-pp1": "ppserve, PP=1",
+        "vllm": VLLM,
+        "ppserve-pp2": "ppserve, PP=2",
+        "vllm-pp2": "vLLM, PP=2",
+        "llama-server": "llama-server",
+    },
+    1,
+)
+table_peers_bf16 = peers_table(
+    {
+        "ppserve-pp1": "ppserve, PP=1",
+        "vllm": VLLM,
+        "ppserve-pp2": "ppserve, PP=2",
+        "vllm-pp2": "vLLM, PP=2",
+        "llama-server": "llama-server",
+    },
+    0,
+)
+table_peers_smollm2 = peers_table(
+    {
+        "ppserve-pp1": "ppserve, PP=1",
+        "vllm": VLLM,
+        "ppserve-pp2": "ppserve, PP=2",
+        "vllm-pp2": "vLLM, PP=2 (a core per stage)",
+        "llama-server": "llama-server, F32 GGUF",
+        "llama-server-q4_1": "llama-server, the Q4_1 GGUF itself",
+    },
+    1,
+)
+
+
+def table_peers_targets(results: Sequence[Result]) -> list[str]:
+    """Ratios ppserve / peer for the small, realistic (PP=1 file, PP=2 file) and bfloat16 runs;
+    bold where the target is met."""
+    small, realistic, realistic_pp2, bf16 = results
+    columns = [(small, small), (realistic, realistic_pp2), (bf16, bf16)]
+
+    def ratio(r: Result, a: str, b: str, key: str) -> float:
+        return float(r["engines"][a][key] / r["engines"][b][key])
+
+    def pp1(key: str, peer: str = "vllm") -> list[float]:
+        return [ratio(p, "ppserve-pp1", peer, key) for p, _ in columns]
+
+    def pp2(key: str) -> list[float]:
+        return [ratio(q, "ppserve-pp2", "vllm-pp2", key) for _, q in columns]
+
+    def at_least(limit: float, values: list[float]) -> list[str]:
+        return [bold(num(v, 2), v >= limit) for v in values]
+
+    def at_most(limit: float, values: list[float]) -> list[str]:
+        return [bold(num(v, 2), v <= limit) for v in values]
+
+    ttft = zip(at_most(1, pp1("ttft_ms_p50")), at_most(1, pp2("ttft_ms_p50")), strict=True)
+    rows = [
+        ["PP=1 output tokens/s ≥ 1.0x vLLM", *at_least(1, pp1("output_tok_s"))],
+        ["PP=1 ITL p50 ≤ vLLM's", *at_most(1, pp1("itl_ms_p50"))],
+        ["PP=2 output tokens/s ≥ 1.0x vLLM PP=2", *at_least(1, pp2("output_tok_s"))],
+        ["batch-1 ITL ≤ vLLM's (PP=1)", *at_most(1, pp1("batch1_itl_ms_p50"))],
+        ["batch-1 time per token ≤ 1.5x llama-server's", *at_most(1.5, pp1("batch1_itl_ms_p50", "llama-server"))],
+        ["TTFT ahead of vLLM (PP=1 / PP=2)", *(f"{a} / {b}" for a, b in ttft)],
+    ]
+    return markdown(["target", "small, float32", "realistic, float32", "small, bfloat16"], rows)
+
+
+def table_profile_step(results: Sequence[Result]) -> list[str]:
+    groups = [
+        ("GEMMs (all linear layers, logits)", ["gemm"]),
+        ("attention", ["attention"]),
+        ("KV gather", ["kv gather"]),
+        ("norms, RoPE, activation", ["norm, rope, activation"]),
+        ("KV write", ["kv write"]),
+        ("sampling", ["sampling"]),
+        ("other ops", ["other ops", "embedding"]),
+    ]
+    rows = [
+        [label] + [f"{num(sum(r['ms_per_group'].get(k, 0.0) for k in keys))} ms" for r in results]
+        for label, keys in groups
+    ]
+    rows.append(
+        ["what no op accounts for (Python, dispatch)"] + [f"{num(r['python_and_dispatch_ms'])} ms" for r in results]
+    )
+    rows.append(["**step**"] + [bold(f"{num(r['step_ms'])} ms") for r in results])
+    header = ["per step", "float32, F.linear + SDPA", "float32, now", "bfloat16, now"]
+    header.append(f"realistic shape, batch {results[3]['batch']}, {results[3]['dtype']}")
+    return markdown(header, rows)
+
+
+def table_model(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    res = d["results"]
+    pre, b1, b16 = res["prefill_1x512"], res["decode_batch1"], res["decode_batch16"]
+    header = [
+        f"measurement ({num(d['model']['params'] / 1e6)}M-param {d['model']['dtype']} Llama, {d['threads']} threads)"
+    ]
+    rows = [
+        [
+            "prefill 1 x 512 tokens",
+            f"{num(pre['ppserve_s'] * 1e3, 0)} ms",
+            f"{num(pre['transformers_s'] * 1e3, 0)} ms",
+            num(pre["ratio"], 2),
+        ],
+        [
+            "decode, batch 1",
+            f"{num(b1['ppserve_tokens_per_s'])} tok/s",
+            f"{num(b1['transformers_tokens_per_s'])} tok/s",
+            num(b1["ratio"], 2),
+        ],
+        [
+            "decode, batch 16",
+            f"{num(b16['ppserve_tokens_per_s'], 0)} tok/s",
+            f"{num(b16['transformers_tokens_per_s'], 0)} tok/s",
+            num(b16["ratio"], 2),
+        ],
+    ]
+    return markdown([*header, "ppserve", "transformers", "ratio"], rows)
+
+
+def table_pipeline(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    dec, over = d["decode_64_concurrent"], d["overhead_pp4_near_zero_compute"]
+    n = dec["requests"]
+    rows = [
+        [
+            f"decode, {n} concurrent requests, {num(dec['model_params_m'], 0)}M-param Llama: PP=1 (1 thread)",
+            f"{num(dec['pp1_tokens_per_s'], 0)} tok/s",
+        ],
+        [
+            "the same, PP=2 (1 thread per stage)",
+            f"{num(dec['pp2_tokens_per_s'], 0)} tok/s (ratio {num(dec['ratio_pp2_over_pp1'], 2)})",
+        ],
+        ["micro-batches per second through PP=4, near-zero compute", num(over["micro_batches_per_s"], 0)],
+        [
+            "stage-to-stage hop (compute end to next compute start) / raw ZeroMQ round trip",
+            f"{us_or_ms(over['hop_us_median'])} / {us_or_ms(over['raw_zmq_round_trip_us'])}",
+        ],
+    ]
+    lines = markdown([f"measurement ({d.get('machine', {}).get('cpus', 2)}-core CPU)", "figure"], rows)
+    channels = d["channel_round_trip_us"]
+    sizes = list(next(iter(channels.values())))
+    size_names = {"1024": "1 KB", "1048576": "1 MB", "67108864": "64 MB"}
+    lines.append("")
+    lines += markdown(
+        ["tensor channel round trip", *(size_names.get(s, f"{s} B") for s in sizes)],
+        [[kind, *(us_or_ms(rt[s]) for s in sizes)] for kind, rt in channels.items()],
+    )
+    return lines
+
+
+MULTINODE_LABELS = {
+    "one namespace": "one namespace",
+    "bridge": "four namespaces, bridge",
+    "link +0 ms": "user-space link, +0 ms",
+    "link +1 ms": "user-space link, +1 ms",
+    "link +5 ms": "user-space link, +5 ms",
+    "bridge, zmq": "bridge, `--tensor-transport zmq`",
+    "link +5 ms, zmq": "user-space link +5 ms, `zmq`",
+}
+
+
+def table_multinode(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    rows = [
+        [
+            MULTINODE_LABELS.get(name, name),
+            f"{num(r['single_stream_tok_s'])} ({num(r['single_ratio'], 2)})",
+            f"{num(r['batch_tok_s'])} ({num(r['batch_ratio'], 2)})",
+            " / ".join(num(h, 2) for h in r["hop_ms"]),
+        ]
+        for name, r in d["results"].items()
+    ]
+    cpus = d.get("machine", {}).get("cpus", 2)
+    header = [f"PP={d['model']['pp_size']}, {cpus}-core CPU", "1 stream, tok/s", f"{d['streams']} streams, tok/s"]
+    return markdown([*header, "hops 0→1 / 1→2 / 2→3, ms"], rows)
+
+
+def table_pd(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    c, p = d["colocated"], d["pd"]
+    handover = d["ratios"]["handover_s"]
+    rows = [
+        [
+            "inter-token latency of the streams, p50 / p99",
+            f"{num(c['itl_p50_ms'])} / {num(c['itl_p99_ms'])} ms",
+            f"{num(p['itl_p50_ms'])} / {num(p['itl_p99_ms'])} ms",
+        ],
+        [
+            "decode tokens while the long prompts arrive",
+            thousands(c["decode_tokens_in_window"]),
+            thousands(p["decode_tokens_in_window"]),
+        ],
+        [
+            "time to first token of a long prompt, under load",
+            f"{num(c['long_ttft_median_s'], 2)} s",
+            f"{num(p['long_ttft_median_s'], 2)} s",
+        ],
+        ["the same on an idle deployment", f"{num(c['idle_ttft_s'], 2)} s", f"{num(p['idle_ttft_s'], 2)} s"],
+        [
+            "the prefill engine alone, idle (so the handover adds)",
+            "",
+            f"{num(p['prefill_engine_alone_idle_ttft_s'], 2)} s ({'+' if handover >= 0 else ''}{num(handover, 3)} s)",
+        ],
+    ]
+    cpus = d.get("machine", {}).get("cpus", 2)
+    return markdown([f"{cpus}-core CPU", "colocated (PP=2)", "PD (1 + 1)"], rows)
+
+
+def table_serving(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    h, i = d["modes"]["http"], d["modes"]["in-process"]
+
+    def pcts(m: dict[str, float], stat: str) -> str:
+        return " / ".join(num(m[f"{stat}_ms_p{q}"], 0) for q in (50, 90, 99)) + " ms"
+
+    rate = (d.get("settings") or d.get("config") or {}).get("request_rate", "inf")
+    rows = [
+        [
+            "output tokens/s",
+            num(h["output_token_throughput"], 0),
+            num(i["output_token_throughput"], 0),
+            bold(num(d["ratio_http_over_inprocess_tok_s"], 2)),
+        ],
+        [
+            "requests/s",
+            num(h["request_throughput"]),
+            num(i["request_throughput"]),
+            num(h["request_throughput"] / i["request_throughput"], 2),
+        ],
+        ["TTFT p50 / p90 / p99", pcts(h, "ttft"), pcts(i, "ttft"), ""],
+        ["inter-token p50 / p90 / p99", pcts(h, "itl"), pcts(i, "itl"), ""],
+    ]
+    arrival = "all at once" if str(rate) == "inf" else f"Poisson, {rate} req/s"
+    return markdown([arrival, "HTTP (SSE)", "in-process", "ratio"], rows)
+
+
+def _chunk_rows(d: Result, pp: int, prompt: int) -> dict[str, float]:
+    out = {}
+    for r in d["rows"]:
+        if r["backend"] == "synthetic" and r["pp"] == pp and r["prompt_tokens"] == prompt:
+            key = f"fixed {r['chunk']}" if r["mode"] == "fixed" else f"s={r['smooth']}"
+            out[key] = r["ttft_s"]
+    return out
+
+
+def table_chunking(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    prompts = sorted({r["prompt_tokens"] for r in d["rows"] if r["backend"] == "synthetic" and r["pp"] == 4})
+    columns = ["fixed 1024", "fixed 2048", "fixed 4096", "fixed 8192", "s=0.5", "s=0.75", "s=1.0"]
+    rows = []
+    for prompt in prompts:
+        ttft = _chunk_rows(d, 4, prompt)
+        best = min(ttft.values())
+        rows.append(
+            [
+                f"{prompt // 1024}K",
+                *(bold(f"{num(ttft[c], 3)} s", ttft[c] == best) if c in ttft else "" for c in columns),
+            ]
+        )
+    header = ["prompt", *columns[:4], "dynamic s=0.5", "s=0.75", "s=1.0"]
+    return markdown(header, rows)
+
+
+def table_chunking_scaling(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    summary = d["summary"]
+    eff, eff_best = summary["strong_scaling_efficiency"], summary["strong_scaling_efficiency_vs_best_pp1"]
+    stages = sorted(eff, key=int)
+    prompt = max(r["prompt_tokens"] for r in d["rows"] if r["backend"] == "synthetic")
+    ttft = {
+        str(r["pp"]): r["ttft_s"]
+        for r in d["rows"]
+        if r["backend"] == "synthetic" and r["prompt_tokens"] == prompt and r["smooth"] == 0.75
+    }
+    best = summary[f"synthetic pp1 {prompt}"]["best_fixed"]
+    rows = [
+        ["TTFT", *(f"{num(ttft[s], 2)} s" for s in stages)],
+        ["efficiency (PP=1 with the same chunks)", *(bold(num(eff[s], 2), s == "4") for s in stages)],
+        [
+            f"efficiency (PP=1 at its best: fixed {best['chunk']}, {num(best['ttft_s'], 2)} s)",
+            *(num(eff_best[s], 2) for s in stages),
+        ],
+    ]
+    return markdown(["stages", *stages], rows)
+
+
+def table_prefix_cache(results: Sequence[Result]) -> list[str]:
+    d = results[0]
+    mt, ns = d["workloads"]["multi_turn"], d["workloads"]["no_sharing"]
+
+    def tokens_k(v: float) -> str:
+        return f"{num(v / 1000)}K"
+
+    def pct(v: float) -> str:
+        return f"{num(v * 100, 0)}%" if v else "0"
+
+    def both(w: dict[str, Any], fn: Callable[[dict[str, float]], str]) -> list[str]:
+        return [fn(w["on"]), fn(w["off"])]
+
+    def tput(m: dict[str, float]) -> str:
+        return num(m["total_token_throughput"], 0)
+
+    def ttft(m: dict[str, float]) -> str:
+        return f"{num(m['ttft_ms_p50'], 0)} / {num(m['ttft_ms_p90'], 0)} ms"
+
+    def itl(m: dict[str, float]) -> str:
+        return f"{num(m['itl_ms_p50'], 0)} ms"
+
+    def cached(m: dict[str, float]) -> str:
+        return pct(m["cached_tokens"] / m["prompt_tokens"])
+
+    def computed(m: dict[str, float]) -> str:
+        return tokens_k(m["stage0_computed_tokens"])
+
+    mr, nr = mt["ratios"], ns["ratios"]
+    rows = [
+        [
+            "tokens/s (prompt + output)",
+            *both(mt, tput),
+            bold(f"{num(mr['total_token_throughput_on_over_off'], 2)}x"),
+            *both(ns, tput),
+            bold(num(nr["total_token_throughput_on_over_off"], 3)),
+        ],
+        [
+            "TTFT p50 / p90",
+            *both(mt, ttft),
+            bold(f"{num(mr['ttft_ms_p50_off_over_on'])}x / {num(mr['ttft_ms_p90_off_over_on'])}x"),
+            *both(ns, ttft),
+            f"{num(nr['ttft_ms_p50_off_over_on'], 2)} / {num(nr['ttft_ms_p90_off_over_on'], 2)}",
+        ],
+        ["inter-token p50", *both(mt, itl), "", *both(ns, itl), ""],
+        ["prompt tokens found cached", *both(mt, cached), "", *both(ns, cached), ""],
+        [
+            "tokens each stage computed",
+            *both(mt, computed),
+            f"{num(mr['stage0_computed_tokens_off_over_on'])}x fewer",
+            *both(ns, computed),
+            num(nr["stage0_computed_tokens_off_over_on"], 2),
+        ],
+    ]
+    header = ["", "multi-turn on", "multi-turn off", "ratio", "no sharing on", "no sharing off", "ratio"]
+    return markdown(header, rows)
+
+
+@dataclass(frozen=True)
+class Table:
+    sources: tuple[str, ...]  # result files under benchmarks/results, in the order `render` takes them
+    render: Callable[[Sequence[Result]], list[str]]
+
+
+TABLES: dict[str, Table] = {
+    "gguf_load": Table(("gguf_load.json",), table_gguf_load),
+    "peers_small": Table(("peers.json",), table_peers_small),
+    "peers_realistic": Table(("peers_realistic.json", "peers_realistic_pp2.json"), table_peers_realistic),
+    "peers_bf16": Table(("peers_bf16.json",), table_peers_bf16),
+    "peers_smollm2": Table(("peers_smollm2.json",), table_peers_smollm2),
+    "peers_targets": Table(
+        ("peers.json", "peers_realistic.json", "peers_realistic_pp2.json", "peers_bf16.json"), table_peers_targets
+    ),
+    "profile_step": Table(
+        (
+            "profile_step_small_plain.json",
+            "profile_step_small.json",
+            "profile_step_small_bf16.json",
+            "profile_step_realistic.json",
+        ),
+        table_profile_step,
+    ),
+    "model": Table(("model.json",), table_model),
+    "pipeline": Table(("pipeline.json",), table_pipeline),
+    "multinode": Table(("multinode.json",), table_multinode),
+    "pd": Table(("pd.json",), table_pd),
+    "serving": Table(("serving.json",), table_serving),
+    "chunking": Table(("chunking.json",), table_chunking),
+    "chunking_scaling": Table(("chunking.json",), table_chunking_scaling),
+    "prefix_cache": Table(("prefix_cache.json",), table_prefix_cache),
+}
+
+
+def render(name: str, doc: Path, root: Path = ROOT) -> str:
+    """The body between the markers of table `name` in `doc`: the table, a blank line, its provenance."""
+    table = TABLES[name]
+    results = [json.loads((root / "benchmarks" / "results" / s).read_text()) for s in table.sources]
+    lines = table.render(results)
+    lines += ["", provenance_line(table.sources, results, doc.parent, root)]
+    return "\n".join(lines) + "\n"
+
+
+def refresh(text: str, doc: Path, root: Path = ROOT) -> str:
+    """`text` with every marked table rendered afresh. An unknown name is an error."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise KeyError(f"{doc.name}: unknown benchmark table {name!r} (known: {', '.join(TABLES)})")
+        return f"<!-- bench-table: {name} -->\n{render(name, doc, root)}<!-- /bench-table -->"
+
+    return MARKER.sub(one, text)
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """The marked tables whose text differs from what their JSONs say, as `file: name`."""
+    out = []
+    for doc in doc_files(root):
+        text = doc.read_text()
+        for m in MARKER.finditer(text):
+            if m["name"] not in TABLES or m["body"] != render(m["name"], doc, root):
+                out.append(f"{doc.relative_to(root)}: {m['name']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its JSON")
+    args = p.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for line in bad:
+            print(f"differs from its JSON: {line} (run scripts/bench_tables.py)")
+        return 1 if bad else 0
+    for doc in doc_files():
+        text = doc.read_text()
+        new = refresh(text, doc)
+        if new != text:
+            doc.write_text(new)
+            print(f"rewrote {doc.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
