@@ -94,7 +94,7 @@ def fields_of(cls: type) -> tuple[FieldSpec, ...]:
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         out.append(_spec(f.name, hints[f.name], default))
     return tuple(out)
 

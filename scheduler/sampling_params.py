@@ -62,7 +62,7 @@ class SamplingParams:
     # vLLM / transformers semantics: over the prompt's tokens and the generated ones, a seen token's
     # logit is divided by it when positive, multiplied when negative (1 = off).
     repetition_penalty: Annotated[
-        float, Meta(gt=0, le=MAX_REPETITION_PENALTY), _doc("1 = off (over prompt and output)")
+        float, Meta(gt=0, le=MAX_REPETITION_PENALTY), _doc("1 = off; over prompt and output")
     ] = 1.0
     seed: Annotated[Seed, _doc("makes the draws reproducible")] | None = None
     # None = off; N = chosen token plus the top N.
@@ -72,7 +72,7 @@ class SamplingParams:
     prompt_logprobs: Annotated[NumLogprobs, _doc("also return each prompt token's logprob and the top N")] | None = None
     stop_token_ids: Annotated[tuple[TokenId, ...], _doc("token ids that end the output")] = ()
     # Matched on the host's text.
-    stop: Annotated[tuple[StopString, ...], _doc("strings that end the output")] = ()
+    stop: Annotated[tuple[StopString, ...], _doc("text that ends the output")] = ()
     ignore_eos: Annotated[bool, _doc("keep generating past EOS")] = False
 
     def __post_init__(self) -> None:
