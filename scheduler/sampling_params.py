@@ -7,7 +7,8 @@ Everything else derives from it, through FIELDS (what scheduler/sampling_fields.
 integer ranges (checked while decoding) from here (server/protocol.py); the OpenAPI document
 and `ppserve generate`'s flags are generated from them (server/openapi.py, server/cli_sampling.py);
 the wire struct, which transport declares on its own (it imports nothing of ours), is built and
-read field by field through `wire()` and `from_wire()`, and a test checks that it matches.
+read field by field through `wire()` and `from_wire()`; tests/test_sampling_definition.py checks
+that it, the HTTP structs, the OpenAPI document and the flags all agree with the declaration.
 """
 
 from __future__ import annotations
