@@ -1,10 +1,24 @@
-"""Per-request sampling settings. Pure data: travels to the last stage once per request."""
+"""Per-request sampling settings. Pure data: travels to the last stage once per request.
+
+`SamplingParams` is the one definition of the sampling parameters: each field's name, type,
+default and range (msgspec `Meta` constraints on its type) are declared here and nowhere else.
+Everything else derives from it, through FIELDS (what scheduler/sampling_fields.py reads there):
+`SamplingParams` checks itself with them; the HTTP request structs take their defaults and the
+integer ranges (checked while decoding) from here (server/protocol.py); the OpenAPI document
+and `ppserve generate`'s flags are generated from them (server/openapi.py, server/cli_sampling.py);
+the wire struct, which transport declares on its own (it imports nothing of ours), is built and
+read field by field through `wire()` and `from_wire()`; tests/test_sampling_definition.py checks
+that it, the HTTP structs, the OpenAPI document and the flags all agree with the declaration.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Annotated, Any
 
+from msgspec import Meta
+
+from ppserve.scheduler.sampling_fields import FieldSpec, fields_of
 from ppserve.transport.messages import WireSamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -17,62 +31,57 @@ GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing by them over
 # and the output degenerates; a finite bound keeps inf and NaN out of the sampler.
 MAX_REPETITION_PENALTY = 2.0
 
+# The integer ranges, named because the HTTP structs decode with them too (a value that fits
+# JSON but not the wire is a 400 naming the field there, before any SamplingParams is built).
+TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]  # int32 like a token id: token ids, top_k
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]  # OpenAI's range
+StopString = Annotated[str, Meta(min_length=1)]
+
+# Fields that stay on the host, which decides when a request stops; the rest travel to the last
+# stage as WireSamplingParams.
+HOST_ONLY = frozenset({"max_tokens", "stop_token_ids", "stop", "ignore_eos"})
+
+
+def _doc(text: str) -> Meta:
+    """A field's description: `ppserve generate --help` shows it (and the range and default)."""
+    return Meta(description=text)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0  # OpenAI semantics: over generated tokens only
-    frequency_penalty: float = 0.0
+    max_tokens: Annotated[TokenCount, _doc("tokens to generate")] = 16
+    temperature: Annotated[float, Meta(ge=0), _doc("0 = greedy")] = 1.0
+    top_k: Annotated[TokenId, _doc("sample from the k most likely tokens; 0 = off")] = 0
+    top_p: Annotated[float, Meta(gt=0, le=1), _doc("sample from the most likely tokens covering p")] = 1.0
+    min_p: Annotated[float, Meta(ge=0, le=1), _doc("drop tokens below min_p x the top probability")] = 0.0
+    # OpenAI semantics: over generated tokens only.
+    presence_penalty: Annotated[Penalty, _doc("lowers the logit of each token already generated")] = 0.0
+    frequency_penalty: Annotated[Penalty, _doc("lowers a token's logit per time it was generated")] = 0.0
     # vLLM / transformers semantics: over the prompt's tokens and the generated ones, a seen token's
     # logit is divided by it when positive, multiplied when negative (1 = off).
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None  # None = off; N = chosen token plus the top N (N <= 20)
-    # None = off; N = each prompt token's logprob plus the top N at its position (N <= 20). Such a
-    # request computes its whole prompt: it never starts from cached blocks, which have no logits.
-    prompt_logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, matched on the host's text
-    ignore_eos: bool = False
+    repetition_penalty: Annotated[
+        float, Meta(gt=0, le=MAX_REPETITION_PENALTY), _doc("1 = off; over prompt and output")
+    ] = 1.0
+    seed: Annotated[Seed, _doc("makes the draws reproducible")] | None = None
+    # None = off; N = chosen token plus the top N.
+    logprobs: Annotated[NumLogprobs, _doc("also return the top N logprobs")] | None = None
+    # None = off; N = each prompt token's logprob plus the top N at its position. Such a request
+    # computes its whole prompt: it never starts from cached blocks, which have no logits.
+    prompt_logprobs: Annotated[NumLogprobs, _doc("also return each prompt token's logprob and the top N")] | None = None
+    stop_token_ids: Annotated[tuple[TokenId, ...], _doc("token ids that end the output")] = ()
+    # Matched on the host's text.
+    stop: Annotated[tuple[StopString, ...], _doc("text that ends the output")] = ()
+    ignore_eos: Annotated[bool, _doc("keep generating past EOS")] = False
 
     def __post_init__(self) -> None:
         # The one check of every range, whoever builds the params: the HTTP layer, the CLI, an
         # embedding app, or the prefill side of disaggregation from a peer's WireSamplingParams
         # (`from_wire`). Each error names its field so the HTTP layer can return it as a 400.
-        if not _int_in(self.max_tokens, 1, MAX_INT32):
-            raise ValueError(f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _int_in(self.top_k, 0, MAX_INT32):
-            raise ValueError(f"top_k must be an integer in [0, {MAX_INT32}] (0 disables it), got {self.top_k!r}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _finite(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"
-            )
-        if self.seed is not None and not _int_in(self.seed, 0, MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
-        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_TOP_LOGPROBS):
-            raise ValueError(
-                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
-            )
-        if not all(_int_in(t, 0, MAX_INT32) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT32}], got {self.stop_token_ids!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for spec in FIELDS:
+            spec.check(getattr(self, spec.name))
 
     @classmethod
     def from_wire(cls, w: WireSamplingParams, **fields: object) -> SamplingParams:
@@ -87,24 +96,14 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def wire(self) -> WireSamplingParams:
-        """What the last stage needs to sample and score (stopping is decided on the host)."""
-        return WireSamplingParams(
-            temperature=float(self.temperature),
-            top_k=self.top_k,
-            top_p=float(self.top_p),
-            min_p=float(self.min_p),
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
-            seed=self.seed,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+        """What the last stage needs to sample and score (stopping is decided on the host): every
+        field but HOST_ONLY, floats as floats (a caller may have given temperature=0)."""
+        values: dict[str, Any] = {}
+        for name in WireSamplingParams.__struct_fields__:
+            value = getattr(self, name)
+            values[name] = float(value) if BY_NAME[name].kind is float else value
+        return WireSamplingParams(**values)
 
 
-def _int_in(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+FIELDS: tuple[FieldSpec, ...] = fields_of(SamplingParams)
+BY_NAME: dict[str, FieldSpec] = {spec.name: spec for spec in FIELDS}

@@ -25,6 +25,7 @@ from ppserve.server.cli_cluster import (
     run_loop,
     serve_node,
 )
+from ppserve.server.cli_sampling import add_sampling_flags, sampling_params
 from ppserve.server.listen import bind_http
 
 if TYPE_CHECKING:
@@ -168,20 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens to generate (default: the model's generation_config.json max_new_tokens, else "
         f"{GENERATE_MAX_TOKENS})",
     )
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (over prompt and output)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--logprobs", type=int, default=None, help="also return the top N logprobs (N <= 20)")
-    gen.add_argument(
-        "--prompt-logprobs", type=int, default=None, help="also return each prompt token's logprob and the top N"
-    )
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
@@ -283,29 +271,13 @@ def _engine_config(args: argparse.Namespace, max_waiting_requests: int = 4096) -
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from ppserve.scheduler.sampling_params import SamplingParams
-
     config = _engine_config(args)
     if config.cluster is not None and not config.cluster.is_host:
         serve_node(config)
     max_tokens = args.max_tokens
     if max_tokens is None:
         max_tokens = config.model_config.max_new_tokens or GENERATE_MAX_TOKENS
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args, max_tokens)
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt")
     if args.prompts_file is not None:

@@ -1,8 +1,9 @@
 """GET /openapi.json: the whole API as an OpenAPI 3.1 document, for clients and code generators.
 
 Request bodies are generated from the msgspec Structs that the handlers decode with
-(server/protocol.py), so the schema cannot drift from what the server accepts; responses from
-those of server/responses.py. The fuzz test (tests/test_fuzz.py) checks every answer against
+(server/protocol.py), so the schema cannot drift from what the server accepts, and the sampling
+fields' ranges from their one declaration, in SamplingParams; responses from those of
+server/responses.py. The fuzz test (tests/test_fuzz.py) checks every answer against
 the document. The websocket's messages, which OpenAPI cannot express, are components too, named
 from the /ws operation's `x-websocket-messages`.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ppserve.scheduler.sampling_params import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from ppserve.scheduler.sampling_params import FIELDS
 from ppserve.server.app import STATE
 from ppserve.server.limits import RequestLimits
 from ppserve.server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
@@ -265,23 +266,9 @@ def _text(media_type: str, description: str, schema: dict[str, Any]) -> dict[str
 # What the handlers, SamplingParams and the server's RequestLimits check beyond the Structs'
 # types, per field and JSON type. Applied only where the Struct's own schema says nothing
 # (msgspec Meta constraints win).
-_LOG = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
-_PENALTY = {"number": {"minimum": -2, "maximum": 2}}
 _IDS = {"integer": {"minimum": 0}, "array": {"minItems": 1}}
 _RANGES: dict[str, dict[str, dict[str, Any]]] = {
-    "temperature": {"number": {"minimum": 0}},
-    "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
-    "top_k": {"integer": {"minimum": 0}},
-    "min_p": {"number": {"minimum": 0, "maximum": 1}},
-    "presence_penalty": _PENALTY,
-    "frequency_penalty": _PENALTY,
-    "repetition_penalty": {"number": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}},
-    "seed": {"integer": {"minimum": 0, "maximum": 2**63 - 1}},
     "n": {"integer": {"minimum": 1, "maximum": MAX_N}},
-    "max_tokens": {"integer": {"minimum": 1}},
-    "max_completion_tokens": {"integer": {"minimum": 1}},
-    "logprobs": {"integer": _LOG},  # a boolean in chat: untouched
-    "top_logprobs": {"integer": _LOG},
     "text": {"string": {"minLength": 1}},
     "input_ids": _IDS,
     # OpenAI fields taken for compatibility, only when empty:
@@ -289,6 +276,23 @@ _RANGES: dict[str, dict[str, dict[str, Any]]] = {
     "logit_bias": {"object": {"maxProperties": 0}},
     "tools": {"array": {"maxItems": 0}},
 }
+# OpenAI's names for fields of SamplingParams that the API spells otherwise.
+_SAMPLING_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def _sampling_ranges() -> dict[str, dict[str, dict[str, Any]]]:
+    """Each sampling field's range, generated from its declaration in SamplingParams: the JSON
+    Schema that msgspec makes of one value's constrained type, keyed by its JSON type (so that
+    chat's boolean `logprobs` is left alone)."""
+    ranges: dict[str, dict[str, dict[str, Any]]] = {}
+    for spec in FIELDS:
+        schema = msgspec.json.schema(spec.value_type)
+        ranges[spec.name] = {schema.pop("type"): schema}
+    for alias, name in _SAMPLING_ALIASES.items():
+        ranges[alias] = ranges[name]
+    return ranges
+
+
 # Chat content as a list of parts: text parts only.
 _TEXT_PART = {
     "type": "object",
@@ -298,14 +302,16 @@ _TEXT_PART = {
 
 
 def _limits(limits: RequestLimits) -> dict[str, dict[str, dict[str, Any]]]:
-    """_RANGES plus the server's limits on lists and strings (server/limits.py)."""
+    """_RANGES and the sampling fields' plus the server's limits on lists and strings (server/limits.py)."""
+    sampling = _sampling_ranges()
     return {
+        **sampling,
         **_RANGES,
         "stop": {
-            "string": {"minLength": 1, "maxLength": limits.max_stop_chars},
+            "string": {**sampling["stop"]["string"], "maxLength": limits.max_stop_chars},
             "array": {"maxItems": limits.max_stop},
         },
-        "stop_token_ids": {"integer": {"minimum": 0}, "array": {"maxItems": limits.max_stop_token_ids}},
+        "stop_token_ids": {**sampling["stop_token_ids"], "array": {"maxItems": limits.max_stop_token_ids}},
         "messages": {"array": {"minItems": 1, "maxItems": limits.max_messages}},
     }
 

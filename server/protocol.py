@@ -4,7 +4,7 @@ Bodies are decoded with msgspec into typed Structs, so a wrong type is an error 
 field (`at $.max_tokens`). Every integer field carries the range of the type it travels as
 (int32 token ids and counts, an int64 seed), checked while decoding: a number that fits JSON
 but not the engine's wire format is a 400 here, not a failure deep in the engine. The rest of
-the ranges are checked by `SamplingParams` itself. Every problem becomes an `ApiError`, which
+the ranges are checked by `SamplingParams` itself, where all are declared. Every problem becomes an `ApiError`, which
 the app turns into OpenAI's JSON error shape.
 """
 
@@ -17,21 +17,28 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS
-from ppserve.scheduler.sampling_params import MAX_INT32, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from ppserve.scheduler.sampling_params import (
+    MAX_INT32,
+    NumLogprobs,
+    SamplingParams,
+    Seed,
+    TokenCount,
+    TokenId,
+)
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)
 RETRY_AFTER_S = 1  # what 503 answers suggest
 MAX_ID_CHARS = 256  # websocket request ids are echoed in every event: keep them short
 
-# The ranges of SamplingParams, checked while decoding (token ids, top_k and counts travel as
-# int32, seeds as int64), so that the error names the field as the client wrote it.
-NonNegInt32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]  # token ids, top_k
-Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
-TokenCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+# Defaults and ranges come from SamplingParams, where they are declared. The integer ranges are
+# checked while decoding (token ids, top_k and counts travel as int32, seeds as int64), so that
+# the error names the field as the client wrote it; the others by SamplingParams itself, whose
+# messages say the whole range. tests/test_sampling_definition.py checks that every field is here.
+_DEFAULT = SamplingParams()
 # A limit the request may leave out: then the model's own default applies (ServerState.max_tokens),
-# or this one (OpenAI's for completions), or for chat the rest of the context.
-DEFAULT_MAX_TOKENS = 16
+# or this one (OpenAI's for completions, and SamplingParams'), or for chat the rest of the context.
+DEFAULT_MAX_TOKENS = _DEFAULT.max_tokens
 _MAX_TOKENS_DEFAULT = (
     "default: the model's generation_config.json max_new_tokens if it has one, else "
     f"{DEFAULT_MAX_TOKENS} (chat: the rest of the context); never more than the context leaves"
@@ -43,7 +50,6 @@ CompletionMaxTokens = Annotated[
     Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] | None,
     msgspec.Meta(description=f"{_MAX_TOKENS_DEFAULT}; 0 (with echo): only the prompt, with its logprobs if asked"),
 ]
-NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 # Strings the server keeps or echoes but does not use: as short as an id. (A model name is
 # compared and echoed in the error; Hugging Face's are under 100 characters.)
@@ -96,17 +102,17 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class _Sampling(msgspec.Struct, kw_only=True):
     """Sampling fields shared by every endpoint (OpenAI's names plus the usual extensions)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: NonNegInt32 = 0
-    min_p: float = 0.0
-    seed: Seed | None = None
+    temperature: float = _DEFAULT.temperature
+    top_p: float = _DEFAULT.top_p
+    top_k: TokenId = _DEFAULT.top_k
+    min_p: float = _DEFAULT.min_p
+    seed: Seed | None = _DEFAULT.seed
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt32] = []
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = []
+    presence_penalty: float = _DEFAULT.presence_penalty
+    frequency_penalty: float = _DEFAULT.frequency_penalty
+    repetition_penalty: float = _DEFAULT.repetition_penalty
+    ignore_eos: bool = _DEFAULT.ignore_eos
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
