@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_record import write_result  # noqa: E402
+from step_times import StepTimes  # noqa: E402
 
 from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
-from ppserve.engine.runtime.local_pipeline import LocalPipeline  # noqa: E402
+from ppserve.engine.offline import OfflineEngine  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 SPEC = TinySpec(
@@ -70,42 +71,34 @@ def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: i
             yield time.perf_counter() - start
 
 
-def ppserve_decode_steps(pipe: LocalPipeline, prompts: torch.Tensor, new_tokens: int) -> Iterator[float]:
-    """The same with this engine: one step prefills every prompt, then one decode step per token
-    (forward, sampling and KV-block bookkeeping included)."""
+def paired_decode_steps(
+    config: EngineConfig, hf: torch.nn.Module, prompts: torch.Tensor, new_tokens: int
+) -> tuple[list[float], list[float]]:
+    """The two engines take turns step by step on the same batch: a decode step of this engine
+    (forward and sampling, in its own loop), then one of transformers, so that drift in the
+    machine's speed hits both alike. Returns both engines' step times."""
+    hf_steps = hf_decode_steps(hf, prompts, new_tokens)
+    theirs: list[float] = []
+    executor = StepTimes(config, prompts.shape[0], after_step=lambda: theirs.append(next(hf_steps)))
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
-    requests = pipe.add_requests(prompts.tolist(), params)
-    try:
-        pipe.step(requests, chunk_size=prompts.shape[1])
-        while not all(r.finished for r in requests):
-            start = time.perf_counter()
-            pipe.step(requests, chunk_size=1)
-            yield time.perf_counter() - start
-    finally:
-        for r in requests:
-            pipe.release(r)
+    OfflineEngine(config, executor).generate(prompts.tolist(), params)
+    executor.close()
+    return executor.times, theirs
 
 
-def decode_time_split(pipe: LocalPipeline, prompts: torch.Tensor) -> dict[str, float]:
+def decode_time_split(config: EngineConfig, prompts: torch.Tensor) -> dict[str, float]:
     """Where a decode step's time goes, as fractions of profiled CPU time, by op family."""
-    from torch.profiler import ProfilerActivity, profile
-
     families = {
         "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
         "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "ppserve::decode_attention"),
         "kv_cache_gather_and_write": ("aten::index_select", "aten::index_copy_"),
     }
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=9)
-    requests = pipe.add_requests(prompts.tolist(), params)
-    try:
-        pipe.step(requests, chunk_size=prompts.shape[1])  # prefill, not profiled
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            while not all(r.finished for r in requests):
-                pipe.step(requests, chunk_size=1)
-    finally:
-        for r in requests:
-            pipe.release(r)
-    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    executor = StepTimes(config, prompts.shape[0], profiled=range(0, 8))  # every decode step
+    OfflineEngine(config, executor).generate(prompts.tolist(), params)
+    executor.close()
+    assert executor.profile is not None
+    self_us = {e.key: e.self_cpu_time_total for e in executor.profile.key_averages()}
     total = sum(self_us.values())
     split = {name: sum(self_us.get(op, 0.0) for op in ops) / total for name, ops in families.items()}
     split["other"] = 1.0 - sum(split.values())
@@ -126,61 +119,60 @@ def main() -> None:
         model_dir = make_tiny_checkpoint(Path(tmp) / "bench-llama", SPEC)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         num_params = sum(t.numel() for t in hf.parameters())
-        pipe = LocalPipeline(EngineConfig.create(model_dir, kv_cache_gb=1.0))
+        # Each prompt prefilled in one chunk and computed every time (no cache hits).
+        config = EngineConfig.create(
+            model_dir, kv_cache_gb=1.0, chunked_prefill_size=PROMPT_LEN, enable_prefix_caching=False
+        )
+        pipe = OfflineEngine(config)
 
-    gen = torch.Generator().manual_seed(0)
-    long_prompt = torch.randint(10, SPEC.vocab_size, (1, PROMPT_LEN), generator=gen)
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    results: dict[str, dict[str, float]] = {}
+        gen = torch.Generator().manual_seed(0)
+        long_prompt = torch.randint(10, SPEC.vocab_size, (1, PROMPT_LEN), generator=gen)
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+        results: dict[str, dict[str, float]] = {}
 
-    # Prefill: the whole prompt in one chunk, first token sampled.
-    ours = median_time(lambda: pipe.generate(long_prompt.tolist(), greedy, chunk_size=PROMPT_LEN), args.reps)
-    with torch.inference_mode():
-        # logits_to_keep=1: transformers too computes logits for the last position only.
-        theirs = median_time(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1), args.reps)
-    results["prefill_1x512"] = {"ppserve_s": ours, "transformers_s": theirs, "ratio": theirs / ours}
+        # Prefill: the whole prompt in one chunk, first token sampled.
+        ours = median_time(lambda: pipe.generate(long_prompt.tolist(), greedy), args.reps)
+        with torch.inference_mode():
+            # logits_to_keep=1: transformers too computes logits for the last position only.
+            theirs = median_time(lambda: hf(long_prompt, use_cache=True, logits_to_keep=1), args.reps)
+        results["prefill_1x512"] = {"ppserve_s": ours, "transformers_s": theirs, "ratio": theirs / ours}
 
-    # Decode: the two engines take turns step by step (same batch, same context length at each
-    # step), so drift in the machine's speed hits both alike; medians over all steps.
-    for batch in (1, 16):
-        prompts = torch.randint(10, SPEC.vocab_size, (batch, DECODE_PROMPT_LEN), generator=gen)
-        ours_steps: list[float] = []
-        theirs_steps: list[float] = []
-        for rep in range(args.reps + 1):
-            paired = zip(
-                ppserve_decode_steps(pipe, prompts, DECODE_TOKENS),
-                hf_decode_steps(hf, prompts, DECODE_TOKENS),
-                strict=True,
-            )
-            for ours_t, theirs_t in paired:
+        # Decode: the two engines take turns step by step (same batch, same context length at each
+        # step), so drift in the machine's speed hits both alike; medians over all steps.
+        for batch in (1, 16):
+            prompts = torch.randint(10, SPEC.vocab_size, (batch, DECODE_PROMPT_LEN), generator=gen)
+            ours_steps: list[float] = []
+            theirs_steps: list[float] = []
+            for rep in range(args.reps + 1):
+                ours_t, theirs_t = paired_decode_steps(config, hf, prompts, DECODE_TOKENS)
                 if rep:  # the first repetition is warm-up
-                    ours_steps.append(ours_t)
-                    theirs_steps.append(theirs_t)
-        ours_tps = batch / statistics.median(ours_steps)
-        theirs_tps = batch / statistics.median(theirs_steps)
-        results[f"decode_batch{batch}"] = {
-            "ppserve_tokens_per_s": ours_tps,
-            "transformers_tokens_per_s": theirs_tps,
-            "ratio": ours_tps / theirs_tps,
-        }
-    time_split = decode_time_split(pipe, prompts)
+                    ours_steps += ours_t
+                    theirs_steps += theirs_t
+            ours_tps = batch / statistics.median(ours_steps)
+            theirs_tps = batch / statistics.median(theirs_steps)
+            results[f"decode_batch{batch}"] = {
+                "ppserve_tokens_per_s": ours_tps,
+                "transformers_tokens_per_s": theirs_tps,
+                "ratio": ours_tps / theirs_tps,
+            }
+        time_split = decode_time_split(config, prompts)
 
-    report = {
-        "benchmark": "model",
-        "model": {"arch": "llama", "params": num_params, "dtype": "float32", **SPEC.__dict__},
-        "threads": args.threads,
-        "reps": args.reps,
-        "prompt_tokens": {"prefill": PROMPT_LEN, "decode": DECODE_PROMPT_LEN},
-        "decode_tokens": DECODE_TOKENS,
-        "results": results,
-        "ppserve_decode_batch16_time_split": time_split,
-    }
-    write_result(args.out, report, args)
-    print(f"{num_params / 1e6:.1f}M params, {args.threads} threads (ratio > 1: ppserve faster)")
-    for name, r in results.items():
-        print(f"  {name:16s} " + "  ".join(f"{k}={v:.4g}" for k, v in r.items()))
-    print("  ppserve decode (batch 16) time split: " + ", ".join(f"{k} {v:.0%}" for k, v in time_split.items()))
-    print(f"wrote {args.out}")
+        report = {
+            "benchmark": "model",
+            "model": {"arch": "llama", "params": num_params, "dtype": "float32", **SPEC.__dict__},
+            "threads": args.threads,
+            "reps": args.reps,
+            "prompt_tokens": {"prefill": PROMPT_LEN, "decode": DECODE_PROMPT_LEN},
+            "decode_tokens": DECODE_TOKENS,
+            "results": results,
+            "ppserve_decode_batch16_time_split": time_split,
+        }
+        write_result(args.out, report, args)
+        print(f"{num_params / 1e6:.1f}M params, {args.threads} threads (ratio > 1: ppserve faster)")
+        for name, r in results.items():
+            print(f"  {name:16s} " + "  ".join(f"{k}={v:.4g}" for k, v in r.items()))
+        print("  ppserve decode (batch 16) time split: " + ", ".join(f"{k} {v:.0%}" for k, v in time_split.items()))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

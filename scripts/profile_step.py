@@ -1,8 +1,9 @@
 """Where a decode step's time goes, in one process: the model of one stage, op by op.
 
-Prefills `--batch` requests of `--context` tokens, then profiles `--steps` decode steps of the
-whole batch (all layers, logits and sampling) with torch.profiler, and groups the ops' self
-time: GEMMs, attention, KV gather, KV write, norms/RoPE/activations, sampling, and the rest.
+Prefills `--batch` requests of `--context` tokens, then times and profiles `--steps` decode
+steps of the whole batch (all layers, logits and sampling) inside the engine's own loop
+(scripts/step_times.py), and groups the ops' self time with torch.profiler: GEMMs, attention,
+KV gather, KV write, norms/RoPE/activations, sampling, and the rest.
 What no op accounts for is Python: the per-layer module calls and the attention metadata.
 
     python scripts/profile_step.py --model-dir DIR [--batch 64] [--context 200] [--dtype float32]
@@ -16,21 +17,20 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_record import write_result  # noqa: E402
+from step_times import StepTimes  # noqa: E402
 
 from ppserve.engine.config import EngineConfig  # noqa: E402
 from ppserve.engine.model import linear  # noqa: E402
-from ppserve.engine.runtime.local_pipeline import LocalPipeline  # noqa: E402
+from ppserve.engine.offline import OfflineEngine  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 # Op name -> group. First match wins; anything unmatched is "other ops".
@@ -65,17 +65,6 @@ def group_of(name: str) -> str:
     return "other ops"
 
 
-def decode_batch(pipe: LocalPipeline, batch: int, context: int) -> list:
-    gen = torch.Generator().manual_seed(0)
-    vocab = pipe.config.model_config.vocab_size
-    prompts = [torch.randint(10, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-    requests = pipe.add_requests(prompts, params)
-    while any(not r.output_token_ids for r in requests):
-        pipe.step(requests, chunk_size=512)
-    return requests
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
@@ -90,20 +79,26 @@ def main() -> None:
     if a.plain_linear:
         linear.PACKED_DTYPES = ()
     torch.set_num_threads(a.threads)
-    cfg = EngineConfig.create(a.model_dir, pp_size=1, dtype=a.dtype, kv_cache_gb=2.0)
-    pipe = LocalPipeline(cfg)
-    requests = decode_batch(pipe, a.batch, a.context)
-    for _ in range(3):  # warm-up
-        pipe.step(requests, 1)
-    times = []
-    for _ in range(a.steps):
-        start = time.perf_counter()
-        pipe.step(requests, 1)
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(a.steps):
-            pipe.step(requests, 1)
+    # Every prompt prefilled once (no cache hits), in one chunk.
+    cfg = EngineConfig.create(
+        a.model_dir,
+        pp_size=1,
+        dtype=a.dtype,
+        kv_cache_gb=2.0,
+        enable_prefix_caching=False,
+        chunked_prefill_size=max(512, a.context),
+    )
+    warm_up = 3
+    timed = range(warm_up, warm_up + a.steps)
+    executor = StepTimes(cfg, a.batch, profiled=range(timed.stop, timed.stop + a.steps))
+    gen = torch.Generator().manual_seed(0)
+    vocab = cfg.model_config.vocab_size
+    prompts = [torch.randint(10, vocab, (a.context,), generator=gen).tolist() for _ in range(a.batch)]
+    params = SamplingParams(max_tokens=2 + warm_up + 2 * a.steps, temperature=0.0, ignore_eos=True)
+    OfflineEngine(cfg, executor).generate(prompts, params)
+    step_s = statistics.median(executor.times[timed.start : timed.stop])
+    prof = executor.profile
+    assert prof is not None, "too few decode steps to profile"
     groups: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
