@@ -51,16 +51,23 @@ PROMPT_SCORE_CHUNK = 256  # most prompt tokens of a request scored per micro-bat
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's settings. Their defaults are the production defaults: EngineConfig takes
+    its own defaults for these fields from here (engine/config.py), so a default is declared once
+    and the pure-scheduler tests run what production runs."""
+
     num_blocks: int
     block_size: int
     pp_size: int
-    async_depth: int = 1
+    # Plans in flight beyond one per stage. 0: a spare plan would hide the host's turnaround, but
+    # decodes would then split into pp_size + 1 smaller micro-batches; on CPUs the smaller GEMMs
+    # cost more than the turnaround (scripts/bench_peers.py: +6% tokens/s at PP=1 and PP=2).
+    async_depth: int = 0
     max_running_requests: int = 256
     max_batched_tokens: int = 2048  # new tokens per micro-batch
     chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
     dynamic_chunking: bool = False  # later chunks of a prompt shrink so that every chunk takes equal time
     chunk_smooth: float = 0.75  # 0: fixed chunks; 1: follow the latency model strictly
-    enable_prefix_caching: bool = False  # the engine turns it on by default
+    enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (block_allocator.py)
 
 
 @dataclass

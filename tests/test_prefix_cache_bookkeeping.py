@@ -275,7 +275,9 @@ def test_a_pipeline_reset_forgets_every_cached_prefix() -> None:
 
 
 def test_without_caching_nothing_is_shared() -> None:
-    s = Scheduler(SchedulerConfig(num_blocks=32, block_size=BLOCK, pp_size=1, chunked_prefill_size=8))
+    s = Scheduler(
+        SchedulerConfig(num_blocks=32, block_size=BLOCK, pp_size=1, chunked_prefill_size=8, enable_prefix_caching=False)
+    )
     for rid in ("a", "b"):
         s.add(_req(rid, list(range(100, 120))))
         _drain(s)

@@ -177,7 +177,7 @@ def test_scored_prompt_chunks_are_bounded() -> None:
     prompt keeps the configured size."""
     s = Scheduler(SchedulerConfig(num_blocks=256, block_size=16, pp_size=1, async_depth=0, chunked_prefill_size=1024))
     s.add(Request("scored", list(range(700)), SCORED))
-    s.add(Request("plain", list(range(700)), PLAIN))
+    s.add(Request("plain", list(range(1000, 1700)), PLAIN))  # its own prompt: no prefix to share
     plan = s.schedule()
     assert plan is not None
     assert [(c.request_id, c.num_new) for c in plan.chunks] == [("scored", PROMPT_SCORE_CHUNK), ("plain", 700)]

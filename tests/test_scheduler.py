@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,10 @@ from ppserve.transport.messages import Sampled, StepPlan, StepResult
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def make(pp: int = 2, blocks: int = 64, chunk: int = 8, budget: int = 64, running: int = 64) -> Scheduler:
+def make(
+    pp: int = 2, blocks: int = 64, chunk: int = 8, budget: int = 64, running: int = 64, **settings: Any
+) -> Scheduler:
+    """A scheduler with the production defaults but for what a test is about."""
     return Scheduler(
         SchedulerConfig(
             num_blocks=blocks,
@@ -23,6 +27,7 @@ def make(pp: int = 2, blocks: int = 64, chunk: int = 8, budget: int = 64, runnin
             max_running_requests=running,
             max_batched_tokens=budget,
             chunked_prefill_size=chunk,
+            **settings,
         )
     )
 
@@ -52,7 +57,7 @@ def drain(s: Scheduler, rng: random.Random | None = None) -> list[StepPlan]:
 
 
 def test_long_prompt_chunks_fill_the_pipeline() -> None:
-    s = make(pp=3, chunk=8)
+    s = make(pp=3, chunk=8, async_depth=1)  # one plan in flight beyond one per stage
     s.add(req("long", 40))
     plans = []
     while (plan := s.schedule()) is not None:
@@ -161,7 +166,8 @@ def test_abort_waiting_request() -> None:
 def test_preemption_by_recompute_when_blocks_run_out() -> None:
     # 8 blocks of 4 tokens = 32 tokens; three requests that each grow to 16 tokens.
     s = make(pp=1, blocks=8, chunk=16)
-    reqs = [req(f"r{i}", 6, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)) for i in range(3)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    reqs = [Request(f"r{i}", list(range(100 * i, 100 * i + 6)), params) for i in range(3)]
     for r in reqs:
         s.add(r)
     plans = drain(s)
