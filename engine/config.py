@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ppserve.engine.cluster.config import ClusterConfig
 from ppserve.engine.cluster.devices import shares_a_gpu, stage_gpus
+from ppserve.engine.disagg.faults import DisaggFaults
+from ppserve.engine.environment import READERS
+from ppserve.engine.environment import read as read_environment
 from ppserve.engine.model.gguf_checkpoint import is_gguf_file, prepare_gguf
 from ppserve.engine.model.kv_cache import kv_bytes_per_block
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
@@ -18,39 +22,42 @@ from ppserve.engine.model.partition import partition_layers
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.transport.tensor_channel import resolve_kind
 
-SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# The scheduler declares the defaults of its settings; the engine's fields of the same names take
+# them from here, so that a default is declared once (tests/test_config_chain.py checks every layer).
+_SCHEDULER = SchedulerConfig(num_blocks=1, block_size=1, pp_size=1)
+# Fields that create() works out from the checkpoint and its other inputs; never given directly.
+DERIVED = frozenset({"model", "model_config", "layer_ranges", "edge_transports", "stage_gpus"})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything the engine runs by, resolved: no "auto" left inside. Build it with `create`."""
+
     model: str
     model_config: ModelConfig
-    pp_size: int
     layer_ranges: tuple[range, ...]  # per stage
     dtype: str  # a key of DTYPES
-    device: str  # "cpu" or "cuda"
-    block_size: int
     num_kv_blocks: int  # per stage; every stage holds the same block ids for its own layers
     max_model_len: int
+    pp_size: int = 1
+    device: str = "cpu"  # "cpu" or "cuda"
+    block_size: int = 16
     # Runtime (pipeline) settings.
     edge_transports: tuple[str, ...] = ()  # per edge (stage i -> i + 1), resolved: shm | gloo | nccl | zmq
-    max_running_requests: int = 256
+    max_running_requests: int = _SCHEDULER.max_running_requests
     max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
-    max_batched_tokens: int = 2048  # new tokens per micro-batch
-    chunked_prefill_size: int = 512  # new tokens of one request per micro-batch (the first chunk, if dynamic)
-    dynamic_chunking: bool = False  # size later chunks of a prompt from a prefill latency model
-    chunk_smooth: float = 0.75  # how strictly chunk sizes follow the model (0: fixed, 1: strictly)
-    enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (scheduler/block_allocator.py)
+    max_batched_tokens: int = _SCHEDULER.max_batched_tokens  # new tokens per micro-batch
+    chunked_prefill_size: int = _SCHEDULER.chunked_prefill_size
+    dynamic_chunking: bool = _SCHEDULER.dynamic_chunking  # size later chunks from a prefill latency model
+    chunk_smooth: float = _SCHEDULER.chunk_smooth  # else env PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR
+    enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching
     # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
     # + c seconds for the whole model (see engine/runtime/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
-    # Plans in flight beyond one per stage. 0: a spare plan would hide the host's turnaround, but
-    # decodes would then split into pp_size + 1 smaller micro-batches; on CPUs the smaller GEMMs
-    # cost more than the turnaround (scripts/bench_peers.py: +6% tokens/s at PP=1 and PP=2).
-    async_depth: int = 0
-    threads_per_stage: int = 1
+    async_depth: int = _SCHEDULER.async_depth  # plans in flight beyond one per stage (why 0: scheduler.py)
+    threads_per_stage: int = 1  # create() gives each stage its share of the cores
     stage_start_timeout_s: float = 120.0
     stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
     max_stage_restarts: int = 3  # stage replacements allowed per window; past that the engine is dead
@@ -64,56 +71,54 @@ class EngineConfig:
     disagg_transfer_timeout_s: float = 30.0
     disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets
     disagg_insecure: bool = False  # no secret: anyone who reaches the pair's sockets can drive them
+    # From the environment unless given (engine/environment.py): read once, on the host, and
+    # pickled to the stages with the rest, so that no process reads the environment later.
+    disagg_faults: DisaggFaults | None = None  # injected PD faults (PPSERVE_DISAGG_FAULTS)
+    pin_stages: bool = False  # each stage on its own cores (PPSERVE_PIN_STAGES=1; engine/runtime/cpu_affinity.py)
+    decode_kernel: bool = True  # the CPU decode-attention kernel (PPSERVE_DECODE_KERNEL=0: SDPA)
+    cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
 
     @classmethod
     def create(
         cls,
         model: str | Path,
         *,
-        pp_size: int = 1,
         layer_partition: str | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
         kv_cache_gb: float = 1.0,
-        num_kv_blocks: int | None = None,
-        max_model_len: int | None = None,
         tensor_transport: str = "auto",
-        max_running_requests: int = 256,
-        max_waiting_requests: int = 4096,
-        max_batched_tokens: int | None = None,
-        chunked_prefill_size: int = 512,
-        dynamic_chunking: bool = False,
-        chunk_smooth: float | None = None,
-        enable_prefix_caching: bool = True,
-        synthetic_latency: tuple[float, float, float] | None = None,
-        async_depth: int = 0,
-        threads_per_stage: int | None = None,
-        stage_start_timeout_s: float = 120.0,
-        stage_timeout_s: float = 10.0,
-        max_stage_restarts: int = 3,
-        stage_restart_window_s: float = 600.0,
         gpu_ids: tuple[int, ...] = (),
-        cluster: ClusterConfig | None = None,
-        disaggregation: str = "",
-        disagg_host: str = "127.0.0.1",
-        disagg_port: int = 0,
-        disagg_bootstrap_timeout_s: float = 30.0,
-        disagg_transfer_timeout_s: float = 30.0,
-        disagg_key: bytes | None = None,
-        disagg_insecure: bool = False,
+        **settings: Any,
     ) -> EngineConfig:
+        """Resolve a config for the checkpoint `model`. `settings` are fields by name; one left
+        out (or None, for those that create() resolves) takes its declared default, or where the
+        field says so, the environment's value. The named parameters are inputs that are no field:
+        `layer_partition` ("3,3,4"), `kv_cache_gb` (sizes num_kv_blocks unless that is given),
+        `tensor_transport` (resolved per edge) and `gpu_ids` (resolved per stage)."""
+        given = _checked(settings)
+        env = read_environment(
+            name
+            for name in READERS
+            if given.get(name) is None and (name != "disagg_faults" or given.get("disaggregation"))
+        )
+        # None, given or read, means "not set": the default, or what is resolved below.
+        s = (
+            _defaults()
+            | {k: v for k, v in env.items() if v is not None}
+            | {k: v for k, v in given.items() if v is not None}
+        )
         if is_gguf_file(model):  # from here on, the prepared directory stands for the file
             model = prepare_gguf(model)
         model_config = ModelConfig.from_dir(model)
+        device, pp_size, block_size = s["device"], s["pp_size"], s["block_size"]
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
-        resolved_dtype = _resolve_dtype(dtype, model_config, device)
+        s["dtype"] = _resolve_dtype(s.get("dtype") or "auto", model_config, device)
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        ranges = partition_layers(model_config.num_layers, pp_size, layer_partition)
+        s["layer_ranges"] = ranges = partition_layers(model_config.num_layers, pp_size, layer_partition)
+        max_model_len = s.get("max_model_len")
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         elif not 1 <= max_model_len <= model_config.max_position_embeddings:
@@ -121,75 +126,24 @@ class EngineConfig:
                 f"max_model_len must be in [1, {model_config.max_position_embeddings}] "
                 f"(the model's max_position_embeddings), got {max_model_len}"
             )
+        num_kv_blocks = s.get("num_kv_blocks")
         if num_kv_blocks is None:
             if not math.isfinite(kv_cache_gb) or kv_cache_gb <= 0:
                 raise ConfigError(f"kv_cache_gb must be a positive number, got {kv_cache_gb}")
             # Sized by the stage with the most layers, so no stage uses more than kv_cache_gb.
-            per_block = kv_bytes_per_block(
-                model_config, max(len(r) for r in ranges), block_size, DTYPES[resolved_dtype]
-            )
+            per_block = kv_bytes_per_block(model_config, max(len(r) for r in ranges), block_size, DTYPES[s["dtype"]])
             num_kv_blocks = int(kv_cache_gb * 2**30) // per_block
         if num_kv_blocks < 1:
             raise ConfigError(f"the KV cache must hold at least one block, got {num_kv_blocks}")
+        s["num_kv_blocks"] = num_kv_blocks
         # A single request must always fit: it can then finish after preempting all others.
-        max_model_len = min(max_model_len, num_kv_blocks * block_size)
-        for name, value in (
-            ("max_running_requests", max_running_requests),
-            ("max_waiting_requests", max_waiting_requests),
-            ("chunked_prefill_size", chunked_prefill_size),
-        ):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if max_batched_tokens is None:
-            max_batched_tokens = max(2048, chunked_prefill_size)
-        if max_batched_tokens < chunked_prefill_size:
-            raise ConfigError(
-                f"max_batched_tokens ({max_batched_tokens}) must be >= chunked_prefill_size ({chunked_prefill_size})"
-            )
-        if chunk_smooth is None:
-            chunk_smooth = _env_float(SMOOTH_ENV, 0.75)
-        if not 0.0 <= chunk_smooth <= 1.0:
-            raise ConfigError(f"the dynamic chunking smooth factor must be in [0, 1], got {chunk_smooth}")
-        if synthetic_latency is not None and (
-            len(synthetic_latency) != 3 or not all(math.isfinite(v) and v >= 0 for v in synthetic_latency)
-        ):
-            raise ConfigError(f"synthetic latency needs three finite numbers >= 0 (a, b, c), got {synthetic_latency}")
-        if async_depth < 0:
-            raise ConfigError(f"async_depth must be >= 0, got {async_depth}")
-        if threads_per_stage is None:
-            threads_per_stage = max(1, (os.cpu_count() or 1) // pp_size)
-        if threads_per_stage < 1:
-            raise ConfigError(f"threads_per_stage must be >= 1, got {threads_per_stage}")
-        for name, seconds in (
-            ("stage_start_timeout_s", stage_start_timeout_s),
-            ("stage_restart_window_s", stage_restart_window_s),
-        ):
-            if not math.isfinite(seconds) or seconds <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {seconds}")
-        # Stages send a heartbeat every 0.2 s: leave room for a few of them to be late.
-        if not (math.isfinite(stage_timeout_s) and stage_timeout_s >= 1.0):
-            raise ConfigError(f"stage_timeout_s must be at least 1 second, got {stage_timeout_s}")
-        if max_stage_restarts < 0:
-            raise ConfigError(f"max_stage_restarts must be >= 0, got {max_stage_restarts}")
-        if disaggregation not in ("", "prefill", "decode"):
-            raise ConfigError(f"disaggregation mode must be prefill or decode, got {disaggregation!r}")
-        if disaggregation and disagg_host in ("0.0.0.0", "::", ""):
-            raise ConfigError("disaggregation sockets need this machine's address (--node-addr), not a wildcard")
-        if not 0 <= disagg_port < 65536:
-            raise ConfigError(f"the disaggregation bootstrap port must be in [0, 65535], got {disagg_port}")
-        for name, seconds in (
-            ("disaggregation bootstrap timeout", disagg_bootstrap_timeout_s),
-            ("disaggregation transfer timeout", disagg_transfer_timeout_s),
-        ):
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise ConfigError(f"the {name} must be a positive number of seconds, got {seconds}")
-        if disaggregation and disagg_key is None and not disagg_insecure:
-            raise ConfigError(
-                "prefill/decode disaggregation needs a shared secret on both sides and the router: "
-                "--cluster-key-file PATH or env PPSERVE_CLUSTER_KEY (or --insecure-cluster on a network you trust)"
-            )
-        if disagg_key is not None and disagg_insecure:
-            raise ConfigError("--insecure-cluster and a cluster key exclude each other")
+        s["max_model_len"] = min(max_model_len, num_kv_blocks * block_size)
+        if given.get("max_batched_tokens") is None:  # room for a whole chunk
+            s["max_batched_tokens"] = max(cls.max_batched_tokens, s["chunked_prefill_size"])
+        if given.get("threads_per_stage") is None:
+            s["threads_per_stage"] = max(1, (os.cpu_count() or 1) // pp_size)
+        _validate(s)
+        cluster: ClusterConfig | None = s["cluster"]
         if gpu_ids and device != "cuda":
             raise ConfigError("--gpu-ids needs --device cuda")
         if cluster is not None and len(cluster.stage_nodes) != pp_size:
@@ -202,62 +156,18 @@ class EngineConfig:
                     gpus += stage_gpus(nodes.count(node), torch.cuda.device_count(), gpu_ids)
             shared = shares_a_gpu([n * 1_000_000 + g for n, g in zip(nodes, gpus, strict=False)])
             resolve_kind(tensor_transport, device, same_host=True, shared_gpu=shared)  # checked even at PP=1
-            transports = tuple(
+            s["edge_transports"] = tuple(
                 resolve_kind(tensor_transport, device, same_host=nodes[i] == nodes[i + 1], shared_gpu=shared)
                 for i in range(pp_size - 1)
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return cls(
-            model=str(model),
-            model_config=model_config,
-            pp_size=pp_size,
-            layer_ranges=ranges,
-            dtype=resolved_dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len,
-            edge_transports=transports,
-            max_running_requests=max_running_requests,
-            max_waiting_requests=max_waiting_requests,
-            max_batched_tokens=max_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            dynamic_chunking=dynamic_chunking,
-            chunk_smooth=chunk_smooth,
-            enable_prefix_caching=enable_prefix_caching,
-            synthetic_latency=synthetic_latency,
-            async_depth=async_depth,
-            threads_per_stage=threads_per_stage,
-            stage_start_timeout_s=stage_start_timeout_s,
-            stage_timeout_s=stage_timeout_s,
-            max_stage_restarts=max_stage_restarts,
-            stage_restart_window_s=stage_restart_window_s,
-            stage_gpus=gpus,
-            cluster=cluster,
-            disaggregation=disaggregation,
-            disagg_host=disagg_host,
-            disagg_port=disagg_port,
-            disagg_bootstrap_timeout_s=disagg_bootstrap_timeout_s,
-            disagg_transfer_timeout_s=disagg_transfer_timeout_s,
-            disagg_key=disagg_key,
-            disagg_insecure=disagg_insecure,
-        )
+        return cls(model=str(model), model_config=model_config, stage_gpus=gpus, **s)
 
     def scheduler_config(self) -> SchedulerConfig:
-        """The scheduler's share of this config."""
-        return SchedulerConfig(
-            num_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            pp_size=self.pp_size,
-            async_depth=self.async_depth,
-            max_running_requests=self.max_running_requests,
-            max_batched_tokens=self.max_batched_tokens,
-            chunked_prefill_size=self.chunked_prefill_size,
-            dynamic_chunking=self.dynamic_chunking,
-            chunk_smooth=self.chunk_smooth,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
+        """The scheduler's settings: its fields are this config's fields of the same names."""
+        shared = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig) if f.name != "num_blocks"}
+        return SchedulerConfig(num_blocks=self.num_kv_blocks, **shared)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -295,14 +205,74 @@ class EngineConfig:
         return settings
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+def _defaults() -> dict[str, Any]:
+    """Each settable field's declared default (None for those create() resolves)."""
+    return {f.name: None if f.default is MISSING else f.default for f in fields(EngineConfig) if f.name not in DERIVED}
+
+
+def _checked(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` if every name is a settable field and every value has its field's type (as far as
+    a default shows it), else a TypeError, as for any unexpected keyword argument."""
+    defaults = _defaults()
+    for name, value in settings.items():
+        if name not in defaults:
+            raise TypeError(f"EngineConfig.create() got an unexpected keyword argument {name!r}")
+        default = defaults[name]
+        if value is None or default is None:
+            continue
+        kind: tuple[type, ...] = (int, float) if type(default) is float else (type(default),)
+        if not isinstance(value, kind) or (isinstance(value, bool) and not isinstance(default, bool)):
+            raise TypeError(f"EngineConfig.create(): {name} must be {type(default).__name__}, got {value!r}")
+    return settings
+
+
+def _validate(s: dict[str, Any]) -> None:
+    """The ranges of the settings create() does not derive anything from."""
+    for name in ("max_running_requests", "max_waiting_requests", "chunked_prefill_size"):
+        if s[name] < 1:
+            raise ConfigError(f"{name} must be >= 1, got {s[name]}")
+    if s["max_batched_tokens"] < s["chunked_prefill_size"]:
+        raise ConfigError(
+            f"max_batched_tokens ({s['max_batched_tokens']}) must be >= chunked_prefill_size "
+            f"({s['chunked_prefill_size']})"
+        )
+    if not 0.0 <= s["chunk_smooth"] <= 1.0:
+        raise ConfigError(f"the dynamic chunking smooth factor must be in [0, 1], got {s['chunk_smooth']}")
+    latency = s["synthetic_latency"]
+    if latency is not None and (len(latency) != 3 or not all(math.isfinite(v) and v >= 0 for v in latency)):
+        raise ConfigError(f"synthetic latency needs three finite numbers >= 0 (a, b, c), got {latency}")
+    if s["async_depth"] < 0:
+        raise ConfigError(f"async_depth must be >= 0, got {s['async_depth']}")
+    if s["threads_per_stage"] < 1:
+        raise ConfigError(f"threads_per_stage must be >= 1, got {s['threads_per_stage']}")
+    for name in ("stage_start_timeout_s", "stage_restart_window_s"):
+        if not math.isfinite(s[name]) or s[name] <= 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {s[name]}")
+    # Stages send a heartbeat every 0.2 s: leave room for a few of them to be late.
+    if not (math.isfinite(s["stage_timeout_s"]) and s["stage_timeout_s"] >= 1.0):
+        raise ConfigError(f"stage_timeout_s must be at least 1 second, got {s['stage_timeout_s']}")
+    if s["max_stage_restarts"] < 0:
+        raise ConfigError(f"max_stage_restarts must be >= 0, got {s['max_stage_restarts']}")
+    mode = s["disaggregation"]
+    if mode not in ("", "prefill", "decode"):
+        raise ConfigError(f"disaggregation mode must be prefill or decode, got {mode!r}")
+    if mode and s["disagg_host"] in ("0.0.0.0", "::", ""):
+        raise ConfigError("disaggregation sockets need this machine's address (--node-addr), not a wildcard")
+    if not 0 <= s["disagg_port"] < 65536:
+        raise ConfigError(f"the disaggregation bootstrap port must be in [0, 65535], got {s['disagg_port']}")
+    for name, seconds in (
+        ("disaggregation bootstrap timeout", s["disagg_bootstrap_timeout_s"]),
+        ("disaggregation transfer timeout", s["disagg_transfer_timeout_s"]),
+    ):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(f"the {name} must be a positive number of seconds, got {seconds}")
+    if mode and s["disagg_key"] is None and not s["disagg_insecure"]:
+        raise ConfigError(
+            "prefill/decode disaggregation needs a shared secret on both sides and the router: "
+            "--cluster-key-file PATH or env PPSERVE_CLUSTER_KEY (or --insecure-cluster on a network you trust)"
+        )
+    if s["disagg_key"] is not None and s["disagg_insecure"]:
+        raise ConfigError("--insecure-cluster and a cluster key exclude each other")
 
 
 def _resolve_dtype(dtype: str, model_config: ModelConfig, device: str) -> str:
