@@ -82,8 +82,9 @@ def test_stage_cores(
     from ppserve.engine.runtime import cpu_affinity
 
     monkeypatch.setattr(cpu_affinity.os, "sched_getaffinity", lambda pid: set(cores))
-    config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)
     monkeypatch.delenv("PPSERVE_PIN_STAGES", raising=False)
+    config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)
     assert cpu_affinity.stage_cores(config, 0, threads) is None  # opt-in
-    monkeypatch.setenv("PPSERVE_PIN_STAGES", "1")
+    monkeypatch.setenv("PPSERVE_PIN_STAGES", "1")  # read when the config is made
+    config = EngineConfig.create(llama_dir, pp_size=pp_size, num_kv_blocks=4)
     assert [cpu_affinity.stage_cores(config, s, threads) for s in range(pp_size)] == expected

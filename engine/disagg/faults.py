@@ -8,7 +8,8 @@ fail_transfer   the chance that a KV transfer fails part-way
 seed         makes the dice repeatable; every stage on each side throws its own
 
 Each stage on each side gets its own dice (`for_stage`), so faults differ per stage, as network
-trouble does. Setting the variable is logged loudly at start-up: it is never on by accident.
+trouble does. Setting the variable is logged loudly at start-up: it is never on by accident. It is
+parsed once, into the engine config's `disagg_faults` (engine/environment.py), which the stages get.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ It is compiled with the system's g++ at the first stage start on a machine (abou
 `kernels/` of the cache directory (engine/model/cache_dir.py: ~/.cache/ppserve by default), keyed by
 the source, the compiler and the CPU's flags, and loaded from there afterwards. Where there is
 no compiler, or the build fails, decode attention falls back to SDPA, with one warning.
+
+Whether to use it and where to build it come from the engine config (`decode_kernel`,
+`cache_dir`), which each stage hands over through `configure` before its first step.
 """
 
 from __future__ import annotations
@@ -54,11 +57,26 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-@functools.cache
+# (enabled, cache directory) of the config this process runs; None: not configured (a script that
+# drives the model directly), then on. A cache directory of "" is the default one.
+_settings: tuple[bool, str] | None = None
+
+
+def configure(enabled: bool, cache: str) -> None:
+    """Take the engine config's settings (a process runs the stages of one config)."""
+    global _settings
+    _settings = (enabled, cache)
+
+
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None where it cannot be built (then SDPA is used)."""
-    if os.environ.get("PPSERVE_DECODE_KERNEL", "1") == "0":
-        return None
+    """The built kernel library, or None where it is switched off or cannot be built (then SDPA
+    is used)."""
+    enabled, cache = _settings or (True, "")
+    return _load(cache or str(cache_dir())) if enabled else None
+
+
+@functools.cache
+def _load(cache: str) -> ctypes.CDLL | None:
     cxx = _compiler()
     if cxx is None:
         log.warning("no C++ compiler found: decode attention uses SDPA (slower on the CPU)")
@@ -67,7 +85,7 @@ def load() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256(" ".join([SOURCE.read_text(), version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
-        lib = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+        lib = Path(cache) / "kernels" / f"decode_attention-{key}.so"
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             # Built under a temporary name and renamed: stages starting at once each build, and

@@ -7,8 +7,9 @@ stage k of the node gets cores [k * threads, (k + 1) * threads) of the CPUs this
 When they do not fit, nothing is pinned and the OS shares the cores. The host process is never
 pinned: it floats to whichever core is free.
 
-Pinning is opt-in (PPSERVE_PIN_STAGES=1): on a two-core machine it measured within the noise
-(+2% at PP=2), and a pinned stage cannot move away from a core that something else keeps busy.
+Pinning is opt-in (the config's `pin_stages`, from PPSERVE_PIN_STAGES=1 when the config is made):
+on a two-core machine it measured within the noise (+2% at PP=2), and a pinned stage cannot move
+away from a core that something else keeps busy.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ppserve.engine.config import EngineConfig
 
 def stage_cores(config: EngineConfig, stage: int, threads: int) -> set[int] | None:
     """The cores stage `stage` of this node should run on, or None to leave it unpinned."""
-    if os.environ.get("PPSERVE_PIN_STAGES", "0") != "1" or not hasattr(os, "sched_getaffinity"):
+    if not config.pin_stages or not hasattr(os, "sched_getaffinity"):
         return None
     cluster = config.cluster
     if cluster is None:

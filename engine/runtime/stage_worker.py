@@ -257,8 +257,6 @@ class StageWorker:
         mode = self.config.disaggregation
         if not mode:
             return
-        from ppserve.engine.disagg.faults import DisaggFaults
-
         loop = asyncio.get_running_loop()
 
         async def run(fn: Callable[[], Any]) -> Any:  # where the stage computes: its cache is touched there only
@@ -271,7 +269,7 @@ class StageWorker:
             return self.runner.kv_cache  # type: ignore[union-attr]
 
         own = self.config.layer_ranges[self.stage]
-        faults = DisaggFaults.from_env()
+        faults = self.config.disagg_faults  # parsed once, where the config was made
         dice = faults.for_stage(mode, self.stage) if faults is not None and faults.active else None
         if mode == "prefill":
             timeout_s = self.config.disagg_transfer_timeout_s
