@@ -30,7 +30,6 @@ import zmq
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.decode import DecodeRooms
-from ppserve.engine.disagg.faults import DisaggFaults
 from ppserve.engine.disagg.prefill import PrefillRooms
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
@@ -111,8 +110,6 @@ class AsyncEngine:
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
-        if self.config.disaggregation:
-            DisaggFaults.from_env()  # a malformed PPSERVE_DISAGG_FAULTS is a ValueError before anything starts
         pool = StagePool(self.config, self._on_stage_failure)
         self._pool = pool
         atexit.register(pool.kill_now)
@@ -138,7 +135,7 @@ class AsyncEngine:
 
     def _start_rooms(self, pool: StagePool) -> None:
         cfg = self.config
-        if cfg.disaggregation and (faults := DisaggFaults.from_env()) is not None and faults.active:
+        if cfg.disaggregation and (faults := cfg.disagg_faults) is not None and faults.active:
             log.warning("%s", faults.describe())  # loudly: its stages inject these faults
         if cfg.disaggregation == "prefill":
             self.rooms = PrefillRooms(self)
