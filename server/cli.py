@@ -17,14 +17,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.server.cli_clients import add_client_flags, server_options
-from ppserve.server.cli_cluster import (
-    add_cluster_flags,
-    add_disaggregation_flags,
-    cluster_config,
-    disaggregation_options,
-    run_loop,
-    serve_node,
-)
+from ppserve.server.cli_cluster import add_disaggregation_flags, run_loop, serve_node
+from ppserve.server.cli_engine import add_engine_flags, engine_settings
 from ppserve.server.cli_sampling import add_sampling_flags, sampling_params
 from ppserve.server.listen import bind_http
 
@@ -51,80 +45,6 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a Hugging Face checkpoint directory, a .gguf file, or tiny-random (a small random model for tests) "
-        "(default: the demo model, SmolLM2-135M-Instruct, downloaded once)",
-    )
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--layer-partition", default=None, help="layers per stage, e.g. 3,3,4 (default: even split)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument(
-        "--gpu-ids",
-        type=_parse_gpu_ids,
-        default=(),
-        metavar="IDS",
-        help="CUDA devices for the stages, e.g. 2,3 (default: every visible one); stage k runs on the k-th, "
-        "neighbouring stages share when there are fewer devices than stages",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
-    p.add_argument(
-        "--tensor-transport",
-        default="auto",
-        choices=["auto", "shm", "gloo", "nccl", "zmq"],
-        help="how activations travel between stages (auto: nccl on CUDA with a GPU per stage, else shm)",
-    )
-    p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once")
-    p.add_argument(
-        "--enable-dynamic-chunking",
-        action="store_true",
-        help="shrink later prefill chunks of a long prompt so every chunk takes equal time (profiles at start-up)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes seen before (a shared system prompt, a conversation's earlier "
-        "turns) instead of computing it again (default: on)",
-    )
-    p.add_argument(
-        "--dynamic-chunking-smooth-factor",
-        type=float,
-        default=None,
-        help="0 = fixed chunks .. 1 = follow the latency model strictly (default 0.75, or env "
-        "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR)",
-    )
-    p.add_argument(
-        "--stage-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="a live stage silent this long is declared hung, killed and replaced (default 10; a dead "
-        "process is noticed at once)",
-    )
-    p.add_argument(
-        "--max-stage-restarts",
-        type=int,
-        default=3,
-        help="failed stages replaced per 10 minutes before the engine gives up (default 3; 0: never replace)",
-    )
-    add_cluster_flags(p)
-    p.add_argument(
-        "--synthetic-latency",
-        type=_parse_latency,
-        default=None,
-        metavar="A,B,C",
-        help="synthetic stages: no math, each micro-batch waits a*attention + b*tokens (whole model, split by "
-        "layers) + c seconds per stage; output is labelled synthetic",
-    )
-
-
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",")]
@@ -135,28 +55,11 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _parse_gpu_ids(text: str) -> tuple[int, ...]:
-    from ppserve.engine.cluster.devices import parse_gpu_ids
-
-    try:
-        return parse_gpu_ids(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-ids: ")) from None
-
-
-def _parse_latency(text: str) -> tuple[float, float, float]:
-    try:
-        a, b, c = (float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected three numbers A,B,C, got {text!r}") from None
-    return a, b, c
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ppserve", description="Pipeline-parallel LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="one-shot generation from the terminal")
-    _add_model_flags(gen)
+    add_engine_flags(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--input-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
@@ -173,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
-    _add_model_flags(serve)
+    add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     add_client_flags(serve)
@@ -241,33 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
-def _engine_config(args: argparse.Namespace, max_waiting_requests: int = 4096) -> EngineConfig:
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from ppserve.engine.config import EngineConfig
     from ppserve.server.demo import resolve_model
 
-    return EngineConfig.create(
-        resolve_model(args.model),
-        pp_size=args.pp_size,
-        layer_partition=args.layer_partition,
-        dtype=args.dtype,
-        device=args.device,
-        gpu_ids=args.gpu_ids,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        max_model_len=args.max_model_len,
-        tensor_transport=args.tensor_transport,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_running_requests=args.max_running_requests,
-        max_waiting_requests=max_waiting_requests,
-        dynamic_chunking=args.enable_dynamic_chunking,
-        chunk_smooth=args.dynamic_chunking_smooth_factor,
-        enable_prefix_caching=args.enable_prefix_caching,
-        synthetic_latency=args.synthetic_latency,
-        stage_timeout_s=args.stage_timeout,
-        max_stage_restarts=args.max_stage_restarts,
-        cluster=cluster_config(args),
-        **disaggregation_options(args),
-    )
+    return EngineConfig.create(resolve_model(args.model), **engine_settings(args))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -356,7 +237,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _serve_on(args: argparse.Namespace, options: ServerOptions, sockets: list[socket.socket]) -> None:
     from ppserve.server.connections import raise_fd_limit
 
-    config = _engine_config(args, args.max_waiting_requests)
+    config = _engine_config(args)
     raise_fd_limit(options.max_connections)
     run_loop(_serve_until_stopped(config, options, sockets))
 

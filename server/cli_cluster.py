@@ -102,18 +102,24 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
     )
 
 
+# The disaggregation flags: argparse dest -> EngineConfig.create's keyword; each flag's default is
+# the config's (tests/test_config_chain.py).
+DISAGG_FLAGS = {
+    "disaggregation_mode": "disaggregation",
+    "disaggregation_bootstrap_port": "disagg_port",
+    "disaggregation_bootstrap_timeout": "disagg_bootstrap_timeout_s",
+    "disaggregation_transfer_timeout": "disagg_transfer_timeout_s",
+}
+
+
 def disaggregation_options(args: argparse.Namespace) -> dict[str, Any]:
     from ppserve.transport.cluster_key import load_key
 
-    mode = getattr(args, "disaggregation_mode", None)
-    if not mode:
+    if not getattr(args, "disaggregation_mode", None):
         return {}
     return {
-        "disaggregation": mode,
+        **{kw: getattr(args, dest) for dest, kw in DISAGG_FLAGS.items()},
         "disagg_host": args.node_addr or args.host,
-        "disagg_port": args.disaggregation_bootstrap_port,
-        "disagg_bootstrap_timeout_s": args.disaggregation_bootstrap_timeout,
-        "disagg_transfer_timeout_s": args.disaggregation_transfer_timeout,
         "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets speak CURVE
         "disagg_insecure": args.insecure_cluster,
     }
