@@ -1,0 +1,146 @@
+"""One config chain: flags -> EngineConfig.create -> EngineConfig -> SchedulerConfig. A default is
+declared once; these tests fail when a layer says otherwise, or when the environment is read
+anywhere but into the config."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import pickle
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_server import ROOT
+
+from ppserve.engine import environment
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.disagg.faults import ENV as FAULTS_ENV
+from ppserve.engine.disagg.faults import DisaggFaults
+from ppserve.scheduler.scheduler import SchedulerConfig
+from ppserve.server.cli import build_parser
+from ppserve.server.cli_cluster import DISAGG_FLAGS
+from ppserve.server.cli_engine import ENGINE_FLAGS, engine_settings
+
+ENGINE_ENV = (environment.SMOOTH_ENV, environment.PIN_STAGES_ENV, environment.DECODE_KERNEL_ENV, FAULTS_ENV)
+# Where the PPSERVE_* variables may be read (engine/environment.py says why each is where it is).
+ENV_READERS = {"engine/environment.py", "engine/model/cache_dir.py", "engine/disagg/faults.py"}
+ENV_READERS |= {"transport/cluster_key.py", "server/cli_clients.py"}
+
+
+@pytest.fixture
+def base(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> EngineConfig:
+    """The config of no settings at all, in a clean environment."""
+    for name in ENGINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return EngineConfig.create(llama_dir)
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def _flags(command: str) -> list[argparse.Action]:
+    """The options of `ppserve COMMAND` that feed the engine config."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices[command]._actions if a.dest in ENGINE_FLAGS or a.dest in DISAGG_FLAGS]
+
+
+def test_the_scheduler_and_the_engine_declare_the_same_defaults() -> None:
+    engine = _field_defaults(EngineConfig)
+    scheduler = _field_defaults(SchedulerConfig)
+    assert scheduler, "SchedulerConfig declares the scheduler's defaults"
+    for name, default in scheduler.items():
+        assert engine.get(name, MISSING) == default, f"{name}: EngineConfig {engine.get(name)!r}, scheduler {default!r}"
+    # Every scheduler field comes from the engine config: none is left to its own default there.
+    assert {f.name for f in fields(SchedulerConfig)} - {"num_blocks"} <= {f.name for f in fields(EngineConfig)}
+
+
+def test_create_resolves_to_the_declared_defaults(base: EngineConfig) -> None:
+    resolved_by_create = {"threads_per_stage", "cache_dir"}  # from the machine and its environment
+    for name, default in _field_defaults(EngineConfig).items():
+        if name not in resolved_by_create:
+            assert getattr(base, name) == default, f"create() makes {name}={getattr(base, name)!r}, not {default!r}"
+    assert base.scheduler_config() == SchedulerConfig(
+        num_blocks=base.num_kv_blocks, block_size=base.block_size, pp_size=base.pp_size
+    )
+
+
+def test_create_takes_fields_by_name_and_checks_them(llama_dir: Path) -> None:
+    config = EngineConfig.create(llama_dir, pp_size=2, num_kv_blocks=8, async_depth=1, enable_prefix_caching=False)
+    assert (config.pp_size, config.num_kv_blocks, config.async_depth) == (2, 8, 1)
+    sched = config.scheduler_config()
+    assert (sched.num_blocks, sched.pp_size, sched.async_depth, sched.enable_prefix_caching) == (8, 2, 1, False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pp_sise'"):
+        EngineConfig.create(llama_dir, pp_sise=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer_ranges'"):  # derived, never given
+        EngineConfig.create(llama_dir, layer_ranges=(range(2),))
+    with pytest.raises(TypeError, match="pp_size must be int"):
+        EngineConfig.create(llama_dir, pp_size="2")
+    with pytest.raises(TypeError, match="enable_prefix_caching must be bool"):
+        EngineConfig.create(llama_dir, enable_prefix_caching=1)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_flag_defaults_to_what_create_takes(base: EngineConfig, llama_dir: Path, command: str) -> None:
+    params = inspect.signature(EngineConfig.create).parameters
+    flags = _flags(command)
+    assert {a.dest for a in flags} >= set(ENGINE_FLAGS) - {"max_waiting_requests"}
+    for action in flags:
+        kw = ENGINE_FLAGS.get(action.dest) or DISAGG_FLAGS[action.dest]
+        if kw in params:  # an input of create() that is no field
+            assert action.default == params[kw].default, f"--{action.dest}: {action.default!r}"
+        else:  # the flag's default, given, makes the config of no flag at all
+            made = EngineConfig.create(llama_dir, **{kw: action.default})
+            assert made == base, f"--{action.dest}'s default {action.default!r} is not the config's {kw}"
+        # What the help text says the default is.
+        if match := re.search(r"\(default:? (\d+(?:\.\d+)?)\b", action.help or ""):
+            said = params[kw].default if kw in params else getattr(base, kw)
+            assert float(match[1]) == said, f"--{action.dest}'s help says {match[1]}, the config has {said!r}"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_a_command_without_flags_makes_the_default_config(
+    base: EngineConfig, llama_dir: Path, command: list[str]
+) -> None:
+    args = build_parser().parse_args([*command, "--model", str(llama_dir)])
+    assert EngineConfig.create(llama_dir, **engine_settings(args)) == base
+
+
+def test_the_environment_is_read_once_into_the_config(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(environment.SMOOTH_ENV, "0.4")
+    monkeypatch.setenv(environment.PIN_STAGES_ENV, "1")
+    monkeypatch.setenv(environment.DECODE_KERNEL_ENV, "0")
+    monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(FAULTS_ENV, "fail_transfer=1,seed=4")
+    pd: dict[str, Any] = {"disaggregation": "prefill", "disagg_insecure": True}
+    config = EngineConfig.create(llama_dir, **pd)
+    expected = (0.4, True, False, str(tmp_path), DisaggFaults(fail_transfer=1.0, seed=4))
+    assert (config.chunk_smooth, config.pin_stages, config.decode_kernel, config.cache_dir, config.disagg_faults) == (
+        expected
+    )
+    assert EngineConfig.create(llama_dir).disagg_faults is None  # only a disaggregated engine injects faults
+    given = EngineConfig.create(llama_dir, chunk_smooth=0.2, pin_stages=False, decode_kernel=True)
+    assert (given.chunk_smooth, given.pin_stages, given.decode_kernel) == (0.2, False, True)  # a setting wins
+    for name in (*ENGINE_ENV, "PPSERVE_CACHE_DIR"):
+        monkeypatch.delenv(name)
+    # What a stage process gets: the same values, with nothing left to read.
+    assert pickle.loads(pickle.dumps(config)) == config
+    monkeypatch.setenv(FAULTS_ENV, "seed=x")
+    with pytest.raises(ValueError, match=f"{FAULTS_ENV}: 'seed=x'"):  # parsed when the config is made
+        EngineConfig.create(llama_dir, **pd)
+
+
+def test_no_other_module_reads_a_ppserve_variable() -> None:
+    readers = set()
+    for package in ("engine", "scheduler", "transport", "server"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            if re.search(r"os\.(environ|getenv)", text) and "PPSERVE_" in text:
+                readers.add(path.relative_to(ROOT).as_posix())
+    assert readers <= ENV_READERS, sorted(readers - ENV_READERS)
