@@ -18,6 +18,7 @@ from ppserve.engine.partition import partition_layers
 from ppserve.transport.tensor_channel import resolve_kind
 
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
+LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"  # engine/loop_watch.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
@@ -63,6 +64,8 @@ class EngineConfig:
     disagg_transfer_timeout_s: float = 30.0
     disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets
     disagg_insecure: bool = False  # no secret: anyone who reaches the pair's sockets can drive them
+    # Debug: stages report every event-loop callback that uses more CPU than this (engine/loop_watch.py).
+    debug_loop_ms: float | None = None
 
     @classmethod
     def create(
@@ -189,6 +192,10 @@ class EngineConfig:
             )
         if disagg_key is not None and disagg_insecure:
             raise ConfigError("--insecure-cluster and a cluster key exclude each other")
+        # A debug switch, from the environment only: no flag of its own.
+        debug_loop_ms = _env_float(LOOP_WATCH_ENV, 0.0)
+        if not (math.isfinite(debug_loop_ms) and debug_loop_ms >= 0):
+            raise ConfigError(f"{LOOP_WATCH_ENV} must be a number of milliseconds >= 0, got {debug_loop_ms}")
         if gpu_ids and device != "cuda":
             raise ConfigError("--gpu-ids needs --device cuda")
         if cluster is not None and len(cluster.stage_nodes) != pp_size:
@@ -241,6 +248,7 @@ class EngineConfig:
             disagg_transfer_timeout_s=disagg_transfer_timeout_s,
             disagg_key=disagg_key,
             disagg_insecure=disagg_insecure,
+            debug_loop_ms=debug_loop_ms or None,
         )
 
     @property

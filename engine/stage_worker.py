@@ -109,12 +109,15 @@ def stage_main(launch: StageLaunch) -> None:
     torch.set_num_threads(launch.threads)
     if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
         torch.cuda.set_device(launch.config.stage_gpus[launch.stage])
-    try:
-        import uvloop
+    if launch.config.debug_loop_ms is not None:
+        _watch_loop(launch.stage, launch.config.debug_loop_ms)  # on asyncio's loop: uvloop cannot be timed
+    else:
+        try:
+            import uvloop
 
-        uvloop.install()
-    except ImportError:
-        pass
+            uvloop.install()
+        except ImportError:
+            pass
     if launch.config.cluster is not None:  # refused peers are logged (transport/cluster_key.py)
         logging.basicConfig(level=logging.WARNING, format=f"ppserve-stage-{launch.stage}: %(message)s")
     sys.exit(asyncio.run(_run(launch)))
@@ -466,6 +469,17 @@ class StageWorker:
         if self.guard is not None:
             self.guard.stop()
         self.ctx.term()
+
+
+def _watch_loop(stage: int, bound_ms: float) -> None:
+    """Debug: each finding is one line on stderr, which the tests read (a stage's stderr is its
+    parent's); a line rather than a failure, so that recovery cannot hide it."""
+    from ppserve.engine import loop_watch
+
+    def report(line: str) -> None:
+        print(f"ppserve-stage-{stage}: {line}", file=sys.stderr, flush=True)
+
+    loop_watch.install(bound_ms, report)
 
 
 def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
