@@ -67,7 +67,7 @@ def _timed_run(handle: asyncio.Handle) -> None:
         spent = time.thread_time() - start
         if _active and spent > _active[0][0]:
             bound, report = _active[0]
-            report(f"{MARKER}: {_describe(handle)} took {spent * 1000:.0f} ms of CPU (bound {bound * 1000:.0f} ms)")
+            report(f"{MARKER}: {_describe(handle)} took {spent * 1000:.1f} ms of CPU (bound {bound * 1000:g} ms)")
 
 
 def _describe(handle: asyncio.Handle) -> str:
