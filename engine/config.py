@@ -77,6 +77,9 @@ class EngineConfig:
     pin_stages: bool = False  # each stage on its own cores (PPSERVE_PIN_STAGES=1; engine/runtime/cpu_affinity.py)
     decode_kernel: bool = True  # the CPU decode-attention kernel (PPSERVE_DECODE_KERNEL=0: SDPA)
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
+    # Debug: stages report every event-loop callback that uses more CPU than this
+    # (PPSERVE_DEBUG_LOOP_MS; engine/runtime/loop_watch.py).
+    debug_loop_ms: float | None = None
 
     @classmethod
     def create(

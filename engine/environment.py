@@ -11,6 +11,7 @@ GGUF preparation); the stages take it from the config.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,27 +23,38 @@ from ppserve.engine.model.model_config import ConfigError
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 PIN_STAGES_ENV = "PPSERVE_PIN_STAGES"
 DECODE_KERNEL_ENV = "PPSERVE_DECODE_KERNEL"
+LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"
 
 
-def _smooth() -> float | None:
-    value = os.environ.get(SMOOTH_ENV)
+def _number(name: str) -> float | None:
+    value = os.environ.get(name)
     if value is None or value == "":
         return None  # the field's default
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
-        raise ConfigError(f"{SMOOTH_ENV} must be a number, got {value!r}") from None
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+    return number
+
+
+def _loop_watch() -> float | None:
+    ms = _number(LOOP_WATCH_ENV)
+    return ms or None  # 0: off
 
 
 # EngineConfig field -> how the environment sets it when the caller does not.
 READERS: dict[str, Callable[[], Any]] = {
-    "chunk_smooth": _smooth,
+    "chunk_smooth": lambda: _number(SMOOTH_ENV),
     # Opt-in: on a two-core machine pinning measured within the noise (engine/runtime/cpu_affinity.py).
     "pin_stages": lambda: os.environ.get(PIN_STAGES_ENV, "0") == "1",
     # On unless switched off (then decode attention uses SDPA; engine/model/decode_attention.py).
     "decode_kernel": lambda: os.environ.get(DECODE_KERNEL_ENV, "1") != "0",
     "cache_dir": lambda: str(cache_dir()),
     "disagg_faults": DisaggFaults.from_env,  # malformed: a ValueError before anything starts
+    # Tests: stages report event-loop callbacks over this many ms of CPU (engine/runtime/loop_watch.py).
+    "debug_loop_ms": _loop_watch,
 }
 
 

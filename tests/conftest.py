@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 from live_server import LiveServer
 
+from ppserve.engine.environment import LOOP_WATCH_ENV
 from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.runtime import loop_watch
 from ppserve.server.demo import demo_model
 
 # Two cores: keep torch from oversubscribing them when tests run stage work in one process.
@@ -64,3 +67,26 @@ def live_server(llama_dir: Path) -> Iterator[LiveServer]:
     server = LiveServer(llama_dir, "--pp-size", "2", "--kv-cache-gb", "0.02", "--tensor-transport", "shm")
     yield server
     assert server.stop() == 0, "".join(server.output)
+
+
+LOOP_BOUND_MS = 50.0  # a callback that uses this much CPU holds up every socket of its process
+
+
+@pytest.fixture
+def watch_loops(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> Iterator[None]:
+    """Debug mode for event loops (engine/runtime/loop_watch.py): the test fails if a callback used more
+    than LOOP_BOUND_MS of CPU, or a process was joined on a loop, in this process's loops, in the
+    stage processes it starts, or in the servers it starts (all of which inherit the setting
+    through the environment). Stages report on stderr, which is this process's (captured here);
+    a server's stderr is its output."""
+    monkeypatch.setenv(LOOP_WATCH_ENV, str(LOOP_BOUND_MS))
+    found: list[str] = []
+    servers = len(LiveServer.started)
+    with loop_watch.watching(LOOP_BOUND_MS, found.append):
+        yield
+    out, err = capfd.readouterr()
+    sys.stdout.write(out)  # back into the report, where they would have been
+    sys.stderr.write(err)
+    outputs = [out, err, *("".join(s.output) for s in LiveServer.started[servers:])]
+    found += [line for text in outputs for line in text.splitlines() if loop_watch.MARKER in line]
+    assert not found, "event loops were blocked:\n" + "\n".join(found)

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from procs import children, read
 
@@ -24,6 +24,8 @@ API_KEY = "test-key"
 
 
 class LiveServer:
+    started: ClassVar[list[LiveServer]] = []  # every server made here (the loop watch reads their output)
+
     def __init__(
         self,
         model_dir: Path | None,
@@ -50,6 +52,7 @@ class LiveServer:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.output: list[str] = []
+        LiveServer.started.append(self)
         self.url = self._wait_for_url(timeout_s)
         self.model = str(model_dir) if model_dir is not None else DEMO_MODEL
 

@@ -17,7 +17,7 @@ import pytest
 from helpers import alive, random_prompt
 from live_server import LiveServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("watch_loops")]  # event loops checked (conftest.py)
 
 NUM_REQUESTS = 64
 MAX_TOKENS = 160

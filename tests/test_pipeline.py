@@ -17,7 +17,7 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.scheduler.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("watch_loops")]  # event loops checked (conftest.py)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
@@ -83,7 +83,9 @@ async def test_outputs_equal_reference(
 async def test_long_prompt_fills_every_stage(llama_dir: Path) -> None:
     prompt = random_prompt(random.Random(99), 600)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    expected = pipeline(llama_dir, num_kv_blocks=512).generate([prompt], params)[0].token_ids
+    # A whole generation in this process: in a thread, not on the event loop the test runs on.
+    reference = await asyncio.to_thread(lambda: pipeline(llama_dir, num_kv_blocks=512).generate([prompt], params))
+    expected = reference[0].token_ids
     async with AsyncEngine(engine_config(llama_dir, 3, chunked_prefill_size=32)) as engine:
         assert await collect(engine, prompt, params) == expected
         # Compute intervals of different micro-batches on different stages overlap in time.
@@ -99,7 +101,7 @@ async def test_long_prompt_fills_every_stage(llama_dir: Path) -> None:
 
 async def test_abort_and_many_concurrent_requests(llama_dir: Path) -> None:
     distinct = PROMPTS[::2]
-    generated = pipeline(llama_dir).generate(distinct, GREEDY)
+    generated = await asyncio.to_thread(lambda: pipeline(llama_dir).generate(distinct, GREEDY))  # off the loop
     reference = {tuple(p): g.token_ids for p, g in zip(distinct, generated, strict=True)}
     async with AsyncEngine(engine_config(llama_dir, 2, max_running_requests=64)) as engine:
         alloc = engine.scheduler.allocator

@@ -17,7 +17,7 @@ from ppserve.engine.async_engine import AsyncEngine, EngineDeadError
 from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.scheduler.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("watch_loops")]  # event loops checked (conftest.py)
 
 LONG_GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 # Seeded sampling with penalties: the replaced last stage must rebuild both from the tokens.

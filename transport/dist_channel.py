@@ -8,7 +8,7 @@ Each stage process joins one process group (rank = stage) before opening its cha
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,15 +25,23 @@ if TYPE_CHECKING:
 
 class DistChannel(TensorChannel):
     def __init__(
-        self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+        self,
+        ctx: zmq.asyncio.Context,
+        spec: ChannelSpec,
+        *,
+        sender: bool,
+        guard: Guard | None = None,
+        executor: Executor | None = None,
     ) -> None:
-        super().__init__(ctx, spec, sender=sender, guard=guard)
+        super().__init__(ctx, spec, sender=sender, guard=guard, executor=executor)
         if not dist.is_initialized():
             raise RuntimeError(f"{spec.kind} channel: torch.distributed is not initialised in this process")
         self.peer = spec.dst if sender else spec.src
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.kind}-wait")
 
-    async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
+    async def send(self, header: EdgeHeader, tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        # No copy here: the backend reads the tensor itself (NCCL on its stream, after the
+        # current stream's work; gloo in its own threads).
         work = dist.isend(tensor.detach().contiguous(), dst=self.peer)
         await super().send(header, tensor)
         assert work is not None

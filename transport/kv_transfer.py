@@ -13,9 +13,11 @@ when a stage pair is complete without any other message.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,14 +72,22 @@ class KvReceiver(ABC):
 
     @abstractmethod
     async def recv(self) -> tuple[KvChunk, torch.Tensor]:
-        """The next chunk from any sender, its data as a CPU tensor of `chunk.shape`."""
+        """The next chunk from any sender, its data as a CPU tensor of `chunk.shape` (it may
+        borrow the received message's memory: copy it before writing to it)."""
 
     @abstractmethod
     def close(self) -> None: ...
 
 
+def _host_copy(data: torch.Tensor) -> torch.Tensor:
+    return data.contiguous().cpu()
+
+
 class ZmqKvSender(KvSender):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None, executor: Executor | None = None
+    ) -> None:
+        self.executor = executor  # where copies to host memory run (None: the loop's default executor)
         # Only to a receiver that is connected (and proved the key), a few chunks deep: a send to
         # one that is not there blocks, and the exporter's timeout fails the transfer.
         self.push = PushSocket(ctx, address, bind=False, guard=guard, hwm=SEND_QUEUE, immediate=True)
@@ -85,7 +95,10 @@ class ZmqKvSender(KvSender):
     async def send(self, chunk: KvChunk, data: torch.Tensor) -> None:
         if tuple(data.shape) != chunk.shape:
             raise ValueError(f"KV chunk data of shape {tuple(data.shape)}, header says {chunk.shape}")
-        raw = data.detach().contiguous().cpu()
+        raw = data.detach()
+        if raw.is_cuda or not raw.is_contiguous():
+            # A copy of a few MB (on CUDA one that waits for the GPU): never on the event loop.
+            raw = await asyncio.get_running_loop().run_in_executor(self.executor, _host_copy, raw)
         # The frame borrows the tensor's memory; zmq keeps a reference until it is sent.
         await self.push.send_frames([_encoder.encode(chunk), raw.view(torch.uint8).numpy().data])
 
@@ -110,15 +123,20 @@ class ZmqKvReceiver(KvReceiver):
                 # Not a KV chunk, or a malformed one: dropped, never written anywhere.
                 self.junk.warning("dropped a malformed KV chunk on %s (%s: %s)", self.address, type(e).__name__, e)
                 continue
-            return chunk, data.clone()  # own the memory: the frame is released after this
+            # No copy here: the tensor keeps the frame (and its memory) alive, and the one copy
+            # that is needed, into the cache, runs where the cache is written (write_blocks).
+            return chunk, data
 
     def close(self) -> None:
         self.pull.close()
 
 
-def open_sender(backend: str, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None) -> KvSender:
+def open_sender(
+    backend: str, ctx: zmq.asyncio.Context, address: str, guard: Guard | None = None, executor: Executor | None = None
+) -> KvSender:
+    """`executor`: where copies to host memory run, off the event loop."""
     if backend == "zmq":
-        return ZmqKvSender(ctx, address, guard)
+        return ZmqKvSender(ctx, address, guard, executor)
     raise ValueError(f"unknown KV transfer backend {backend!r} (available: zmq)")
 
 

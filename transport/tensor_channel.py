@@ -15,9 +15,12 @@ Kinds (`--tensor-transport`):
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import zmq.asyncio
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from ppserve.transport.cluster_key import Guard
 
 KINDS = ("auto", "shm", "gloo", "nccl", "zmq")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,17 +69,59 @@ def resolve_kind(kind: str, device: str, same_host: bool, shared_gpu: bool = Fal
 
 
 class TensorChannel(ABC):
+    """`executor`: where copies of a tensor's bytes run (one thread, so that they run in the
+    order they are asked for); never on the event loop, which would stall every socket of the
+    process for as long as a copy of up to tens of MB takes, and on CUDA until the GPU has
+    finished whatever was queued before it. None: a thread of the channel's own."""
+
     def __init__(
-        self, ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+        self,
+        ctx: zmq.asyncio.Context,
+        spec: ChannelSpec,
+        *,
+        sender: bool,
+        guard: Guard | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.spec = spec
         self.sender = sender
         self.push = PushSocket(ctx, spec.address, bind=False, guard=guard) if sender else None
         self.pull = None if sender else PullSocket(ctx, spec.address, bind=True, guard=guard)
+        self._executor = executor
+        self._own_executor: ThreadPoolExecutor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
 
-    async def send(self, header: EdgeHeader, tensor: torch.Tensor) -> None:
+    async def send(self, header: EdgeHeader, tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Send `tensor` (contents read after this returns do not matter: it was copied or sent).
+        `ready`, on CUDA: an event after the kernels that produced it; the copy then waits for
+        that event only, not for work queued after it (the next micro-batch's kernels)."""
         assert self.push is not None, "send on the receiving end"
         await self.push.send_frames([encode(header)])
+
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` in the copy executor; copies are awaited one at a time per channel."""
+        if self._executor is None:
+            # The creating thread's torch thread count: a new thread would otherwise start as
+            # many OpenMP threads as there are cores.
+            threads = torch.get_num_threads()
+            self._executor = self._own_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="channel-copy", initializer=torch.set_num_threads, initargs=(threads,)
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Copy executor: host tensor `dst` <- `src` (same shape and dtype). A CUDA `src` with a
+        `ready` event is read on a stream of the channel's own that waits for that event only:
+        on the current stream the copy would wait for everything queued there before it. The
+        copy into host memory is synchronous, so `src` may be freed once this returns."""
+        if not src.is_cuda or ready is None:
+            dst.copy_(src)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=src.device)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            dst.copy_(src)
 
     async def warm_up(self) -> None:  # noqa: B027 (a hook: most channels have nothing to set up)
         """Set up whatever the first micro-batch would otherwise set up (see DistChannel)."""
@@ -106,23 +152,30 @@ class TensorChannel(ABC):
             self.push.close(linger_ms)
         if self.pull is not None:
             self.pull.close()
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=False, cancel_futures=True)
 
 
 def open_channel(
-    ctx: zmq.asyncio.Context, spec: ChannelSpec, *, sender: bool, guard: Guard | None = None
+    ctx: zmq.asyncio.Context,
+    spec: ChannelSpec,
+    *,
+    sender: bool,
+    guard: Guard | None = None,
+    executor: Executor | None = None,
 ) -> TensorChannel:
     """One end of an edge: `sender` for rank `spec.src`, else for rank `spec.dst`; `guard`: the
-    cluster key, across nodes."""
+    cluster key, across nodes; `executor`: where tensor copies run (see TensorChannel)."""
     if spec.kind == "shm":
         from ppserve.transport.shm_channel import ShmChannel
 
-        return ShmChannel(ctx, spec, sender=sender, guard=guard)
+        return ShmChannel(ctx, spec, sender=sender, guard=guard, executor=executor)
     if spec.kind in ("gloo", "nccl"):
         from ppserve.transport.dist_channel import DistChannel
 
-        return DistChannel(ctx, spec, sender=sender, guard=guard)
+        return DistChannel(ctx, spec, sender=sender, guard=guard, executor=executor)
     if spec.kind == "zmq":
         from ppserve.transport.zmq_channel import ZmqChannel
 
-        return ZmqChannel(ctx, spec, sender=sender, guard=guard)
+        return ZmqChannel(ctx, spec, sender=sender, guard=guard, executor=executor)
     raise ValueError(f"unknown tensor channel kind {spec.kind!r}")

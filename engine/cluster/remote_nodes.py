@@ -11,6 +11,7 @@ tokenization, a pause) must not look like a host that is gone.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import threading
@@ -114,7 +115,10 @@ class RemoteNodes:
         """Every node's agent stops its stages (after letting them drain for a moment)."""
         self._orders.put("shutdown")
 
-    def close(self) -> None:
-        """Before the context is terminated."""
+    async def close(self) -> None:
+        """Before the context is terminated (the beat thread's sockets must be closed by then).
+        Awaited, not joined: the thread ends at once, but a join would hold the event loop."""
         self._orders.put("close")
-        self._thread.join(timeout=5.0)
+        deadline = time.monotonic() + 5.0
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)

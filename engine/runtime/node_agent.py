@@ -125,13 +125,24 @@ class NodeAgent:
         deadline = time.monotonic() + drain_s
         while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await self.kill_stages()
+
+    async def kill_stages(self) -> None:
+        """Kill the stages still there and wait for them to go. Awaited, not joined: a join
+        would hold the event loop, and with it the heartbeats to the host."""
         self.kill_now()
+        deadline = time.monotonic() + 1.0
+        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for proc in self.procs.values():
+            proc.join(timeout=0)  # reaps
 
     def kill_now(self) -> None:
+        """Without waiting (kill_stages waits): SIGKILL, and reap what is gone already."""
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
-            proc.join(timeout=1.0)
+            proc.join(timeout=0)
 
     def close(self) -> None:
         self.kill_now()
@@ -164,5 +175,9 @@ async def run_node(config: EngineConfig) -> int:
         return 130
     finally:
         stopped.cancel()
-        with contextlib.suppress(Exception):
-            agent.close()
+        try:
+            with contextlib.suppress(Exception):
+                await agent.kill_stages()
+        finally:  # even if cancelled while waiting: close() kills without waiting
+            with contextlib.suppress(Exception):
+                agent.close()

@@ -444,14 +444,19 @@ class StagePool:
         for p in local:
             if p.is_alive():
                 p.kill()
-            p.join(timeout=1.0)
+        # Awaited, not joined: a join would hold the event loop (and whatever else it serves).
+        deadline = time.monotonic() + 1.0
+        while any(p.is_alive() for p in local) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for p in local:
+            p.join(timeout=0)  # reaps the dead; one stuck in the kernel is left (SIGKILL was sent)
         # Across nodes, what was just sent may still be on its way: let it go out (briefly).
         linger_ms = 500 if self.config.cluster is not None else 0
         self.inbox.close()
         for sock in self.plan_socks:
             sock.close(linger_ms)
         if self.nodes is not None:
-            self.nodes.close()
+            await self.nodes.close()
         if self.guard is not None:
             self.guard.stop()
         self.ctx.term()

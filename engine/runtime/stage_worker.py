@@ -109,12 +109,15 @@ def stage_main(launch: StageLaunch) -> None:
     torch.set_num_threads(launch.threads)
     if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
         torch.cuda.set_device(launch.config.stage_gpus[launch.stage])
-    try:
-        import uvloop
+    if launch.config.debug_loop_ms is not None:
+        _watch_loop(launch.stage, launch.config.debug_loop_ms)  # on asyncio's loop: uvloop cannot be timed
+    else:
+        try:
+            import uvloop
 
-        uvloop.install()
-    except ImportError:
-        pass
+            uvloop.install()
+        except ImportError:
+            pass
     if launch.config.cluster is not None:  # refused peers are logged (transport/cluster_key.py)
         logging.basicConfig(level=logging.WARNING, format=f"ppserve-stage-{launch.stage}: %(message)s")
     sys.exit(asyncio.run(_run(launch)))
@@ -148,6 +151,14 @@ class StageWorker:
             initargs=(launch.threads, self.gpu),
         )
         self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see Span)
+        # Activations' copies into and out of the tensor channels (shared memory, host frames):
+        # off the event loop, and beside the compute thread, as they were when they ran on the loop.
+        self._copies = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="copy",
+            initializer=_init_compute_thread,
+            initargs=(launch.threads, self.gpu),
+        )
         self._gpu_clock: GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
         self.kv: KvExporter | KvImporter | None = None  # disaggregation: this stage's KV sender or receiver
@@ -329,10 +340,11 @@ class StageWorker:
             from ppserve.engine.model.sampler import Sampler
 
             self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
+        copies = self._copies
         if launch.inbound is not None:
-            self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.link_guard)
+            self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.link_guard, executor=copies)
         if launch.outbound is not None:
-            self.outbound = open_channel(self.ctx, launch.outbound, sender=True, guard=self.link_guard)
+            self.outbound = open_channel(self.ctx, launch.outbound, sender=True, guard=self.link_guard, executor=copies)
         # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
         # before serving: the first micro-batch never pays for them, nor waits on them.
         await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))
@@ -409,7 +421,9 @@ class StageWorker:
             timings = [*upstream, mine]
             if isinstance(out, torch.Tensor):
                 assert self.outbound is not None
-                await self.outbound.send(EdgeHeader(plan.mb_id, timings), out)
+                # On CUDA the copy waits for this plan's kernels only, not for the next plan's.
+                ready = span.events[1] if span.events is not None else None
+                await self.outbound.send(EdgeHeader(plan.mb_id, timings), out, ready)
             else:
                 samples, prompt_logprobs = out
                 await self.inbox.send(StepResult(plan.mb_id, samples, timings, prompt_logprobs))
@@ -449,9 +463,21 @@ class StageWorker:
         self.plans.close()
         self.compute_pool.shutdown(wait=False, cancel_futures=True)
         self._timer.shutdown(wait=False, cancel_futures=True)
+        self._copies.shutdown(wait=False, cancel_futures=True)
         if self.guard is not None:
             self.guard.stop()
         self.ctx.term()
+
+
+def _watch_loop(stage: int, bound_ms: float) -> None:
+    """Debug: each finding is one line on stderr, which the tests read (a stage's stderr is its
+    parent's); a line rather than a failure, so that recovery cannot hide it."""
+    from ppserve.engine.runtime import loop_watch
+
+    def report(line: str) -> None:
+        print(f"ppserve-stage-{stage}: {line}", file=sys.stderr, flush=True)
+
+    loop_watch.install(bound_ms, report)
 
 
 def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
