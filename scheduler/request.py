@@ -38,11 +38,13 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # Pipeline bookkeeping (scheduler only): tokens computed or in flight, plans in flight that
-    # carry this request, whether one of them will sample, whether the last stage knows it.
+    # carry this request, whether one of them will sample, whether the last stage knows it, and
+    # how many of block_table's first blocks the stages hold (sent in earlier plans).
     num_scheduled_tokens: int = 0
     inflight_plans: int = 0
     awaiting_sample: bool = False
     announced: bool = False
+    num_blocks_sent: int = 0
     # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its
     # transfer is done (`Scheduler.release_held`).
     hold_kv: bool = False

@@ -25,6 +25,12 @@ findable as soon as the plan that fills it is built: a later reader is in a late
 every stage runs after this one, or in the same plan, where each layer writes the batch's KV
 before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
 
+Block tables: stages keep each request's table, and a plan carries only what changed. A chunk
+carries the blocks its request gained since its previous chunk (`num_blocks_sent` counts what the
+stages hold; a request's table only grows while they hold it), or its whole table marked
+`new_table` when they hold none (its first chunk, or its first since a preemption or a pipeline
+reset); `released` and `preempted` name the requests whose tables the stages drop.
+
 Cache salt: a request's `cache_salt` (a tenant, or a client's own choice) roots the hash chain of
 its blocks, so only requests with the same salt (or none) share cached prefixes.
 
@@ -92,7 +98,8 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.receiving: dict[str, Request] = {}
         self._next_mb = 0
-        self._released: list[str] = []  # announced requests the last stage may forget
+        self._released: list[str] = []  # announced requests the stages may forget
+        self._preempted: list[str] = []  # requests whose block tables the stages must drop
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # ... and found there
@@ -322,6 +329,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.allocator.free(r.block_table)
         r.block_table.clear()
+        if r.num_blocks_sent:  # the stages hold a table of blocks that are free now
+            self._preempted.append(r.request_id)
+            r.num_blocks_sent = 0
         r.num_computed_tokens = r.num_scheduled_tokens = 0
         self.running.remove(r)
         self.waiting.appendleft(r)
@@ -335,7 +345,11 @@ class Scheduler:
             sample = start + n == r.num_tokens
             if r.params.prompt_logprobs is not None and (t := _prompt_targets(r, len(chunks), start, n)):
                 targets.append(t)
-            chunks.append(SeqChunk(r.request_id, r.token_slice(start, start + n), start, list(r.block_table), sample))
+            # Only the blocks the stages do not hold yet: a plan grows with new tokens, not context.
+            fresh, new_blocks = r.num_blocks_sent == 0, r.block_table[r.num_blocks_sent :]
+            r.num_blocks_sent = len(r.block_table)
+            tokens = r.token_slice(start, start + n)
+            chunks.append(SeqChunk(r.request_id, tokens, start, new_blocks, sample, new_table=fresh))
             r.num_scheduled_tokens += n
             r.awaiting_sample = sample
             if not r.announced:
@@ -346,8 +360,8 @@ class Scheduler:
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
         self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
-        plan = StepPlan(mb_id, chunks, new, self._released, targets)
-        self._released = []
+        plan = StepPlan(mb_id, chunks, new, self._released, targets, self._preempted)
+        self._released, self._preempted = [], []
         return plan
 
     # ---- results in -----------------------------------------------------------------------
@@ -396,6 +410,7 @@ class Scheduler:
         else:
             self.allocator.free(r.block_table)
             r.block_table.clear()
+            r.num_blocks_sent = 0
         if self.requests.pop(r.request_id, None) is not None and r.announced:
             self._released.append(r.request_id)
 
@@ -406,19 +421,20 @@ class Scheduler:
     def reset_pipeline(self) -> int:
         """The stages lost their state (one was replaced): every plan in flight is void. Each running
         request is preempted (its KV is recomputed from its tokens, the generated ones included) and
-        every live request is announced again; nothing a client has seen is lost. Returns how many
-        requests were preempted."""
+        every live request is announced again and sends its whole block table again; nothing a
+        client has seen is lost. Returns how many requests were preempted."""
         self.inflight.clear()
         for r in list(self.requests.values()):
             r.inflight_plans = 0
             r.awaiting_sample = False
             r.announced = False
+            r.num_blocks_sent = 0  # surviving stages drop every table; a replaced one has none
             if r.finished:  # ended while a plan still wrote its blocks: nothing writes them now
                 self._free(r)
-        self._released = []  # the stages forget every request anyway
         preempted = list(self.running)
         for r in reversed(preempted):  # keep their order at the head of the queue
             self._preempt(r)
+        self._released, self._preempted = [], []  # the stages forget every request anyway
         self.allocator.flush()  # a replaced stage has none of the cached KV
         return len(preempted)
 

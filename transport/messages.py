@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7  # 7: plans carry block-table diffs (SeqChunk.blocks, StepPlan.preempted)
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -20,13 +20,24 @@ class Msg(msgspec.Struct, tag=True, frozen=True):
 
 class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     """One request's part of a micro-batch: `token_ids` are new tokens at positions
-    [start, start + len(token_ids)); `block_table` holds the KV blocks for all of them."""
+    [start, start + len(token_ids)).
+
+    The request's KV block table covers every position up to start + len(token_ids). In a
+    StepPlan, stages keep each request's table between plans (engine/runtime/block_tables.py), so
+    `blocks` holds only the blocks added since the request's previous chunk, usually none in a
+    decode step; `new_table` marks a chunk whose `blocks` start the table afresh (the request's
+    first chunk, or its first since it was preempted or the pipeline was reset): whatever a
+    stage held under that id is replaced. A plan's size thus follows its new tokens, not the
+    requests' context. Given to `StageRunner.execute` directly (synthetic chunks, reference
+    passes), `blocks` is always the whole table.
+    """
 
     request_id: str
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    blocks: list[int]
     sample: bool  # sample a token after this chunk (last prefill chunk, or a decode step)
+    new_table: bool = False
 
     @property
     def num_new(self) -> int:
@@ -83,8 +94,13 @@ class StepPlan(Msg, frozen=True):
     mb_id: int
     chunks: list[SeqChunk]
     new_requests: list[NewRequest] = []  # sampling state to create on the last stage
-    released: list[str] = []  # requests whose sampling state the last stage can drop
+    # Requests that are over: every stage drops its block table, the last its sampling state.
+    released: list[str] = []
     prompt_targets: list[PromptTargets] = []  # only for requests that asked for prompt logprobs
+    # Requests preempted since the previous plan: stages drop their block tables now, so that
+    # they hold only live ones (a preempted request comes back with a `new_table` chunk); the
+    # last stage keeps their sampling state.
+    preempted: list[str] = []
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):
@@ -145,7 +161,8 @@ class Heartbeat(Msg, frozen=True):
 
 class Reset(Msg, frozen=True):
     """Host -> surviving stages when another stage is replaced: every plan received so far is
-    void. The stage drops queued plans and per-request sampling state, then answers ResetDone."""
+    void. The stage drops queued plans, block tables and per-request sampling state, then
+    answers ResetDone."""
 
     epoch: int
     first_mb: int  # the first micro-batch of the new epoch: activations of older ones are leftovers

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -53,7 +53,16 @@ class DecodeGroup:
     rows: slice | torch.Tensor
     block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [num_decodes] long: keys each query sees (its position + 1)
-    masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_blocks * block_size] bool
+    block_size: int
+    # Per window: [num_decodes, 1, 1, max_blocks * block_size] bool. Made on first use, once per
+    # step: only the padded SDPA path reads them, and they grow with the batch's whole context.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if (m := self.masks.get(window)) is None:
+            num_keys = self.block_tables.shape[1] * self.block_size
+            m = self.masks[window] = _mask(self.context_lens - 1, num_keys, window)[:, None, None, :]
+        return m
 
 
 class GatherBuffers:
@@ -96,60 +105,102 @@ class AttentionMetadata:
         windows: Iterable[int | None] = (None,),
         buffers: GatherBuffers | None = None,
     ) -> AttentionMetadata:
-        """`windows`: the sliding windows of the layers that will use this metadata (masks are
-        built once here rather than once per layer)."""
+        """From spans that each carry their whole block table (see `from_tables`)."""
+        tables, lengths = padded_tables([s.block_table for s in spans])
+        starts, num_new = [s.start for s in spans], [s.num_new for s in spans]
+        return cls.from_tables(starts, num_new, tables, lengths, block_size, device, windows, buffers)
+
+    @classmethod
+    def from_tables(
+        cls,
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        tables: torch.Tensor,
+        lengths: Sequence[int],
+        block_size: int,
+        device: torch.device,
+        windows: Iterable[int | None] = (None,),
+        buffers: GatherBuffers | None = None,
+    ) -> AttentionMetadata:
+        """Span i has num_new[i] new tokens from position starts[i]; its KV blocks are the first
+        lengths[i] entries of tables[i] (tables: [batch, width] long on the CPU, zero padded).
+        `windows`: the sliding windows of the layers that will use this metadata (masks are built
+        once here rather than once per layer).
+
+        Python work is per span, never per token or per block: positions and slots are tensor ops.
+        """
         windows = tuple(set(windows))
-        slots: list[int] = []
-        token_positions: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[Sequence[int]] = []
-        decode_pos: list[int] = []
-        prefills: list[PrefillGroup] = []
-        row = 0
-        for span in spans:
-            if span.num_new < 1:
+        batch = len(starts)
+        needed: list[int] = []  # blocks each span reads: those holding positions [0, start + num_new)
+        for start, n, length in zip(starts, num_new, lengths, strict=True):
+            if n < 1:
                 raise ValueError("a chunk must carry at least one new token")
-            end = span.start + span.num_new
-            needed = -(-end // block_size)
-            if len(span.block_table) < needed:
-                raise ValueError(f"block table has {len(span.block_table)} blocks, {end} tokens need {needed}")
-            token_positions.extend(range(span.start, end))
-            for pos in range(span.start, end):
-                slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
-            if span.num_new == 1:
-                decode_rows.append(row)
-                decode_tables.append(span.block_table[:needed])
-                decode_pos.append(span.start)
+            needed.append(-(-(start + n) // block_size))
+            if length < needed[-1]:
+                raise ValueError(f"block table has {length} blocks, {start + n} tokens need {needed[-1]}")
+        start_t = torch.tensor(starts, dtype=torch.long)  # [batch]
+        new_t = torch.tensor(num_new, dtype=torch.long)  # [batch]
+        num_tokens = sum(num_new)
+        span_of = torch.repeat_interleave(torch.arange(batch), new_t)  # [num_tokens]: each row's span
+        first_row = torch.cumsum(new_t, 0) - new_t  # [batch]: each span's first row
+        positions = start_t[span_of] + torch.arange(num_tokens) - first_row[span_of]  # [num_tokens]
+        # slot = block * block_size + offset, the block read from the row's own table.
+        slots = tables[span_of, positions // block_size] * block_size + positions % block_size  # [num_tokens]
+
+        prefills: list[PrefillGroup] = []
+        decode_spans: list[int] = []
+        row = 0
+        for i in range(batch):
+            start, n = starts[i], num_new[i]
+            if n == 1:
+                decode_spans.append(i)
             else:
-                positions = torch.arange(span.start, end, device=device)
+                end = start + n
+                q_pos = torch.arange(start, end, device=device)
                 prefills.append(
                     PrefillGroup(
-                        rows=slice(row, row + span.num_new),
-                        block_ids=torch.tensor(span.block_table[:needed], dtype=torch.long, device=device),
+                        rows=slice(row, row + n),
+                        block_ids=tables[i, : needed[i]].to(device),
                         context_len=end,
                         # A fresh prompt without a window is plain causal: SDPA's is_causal is faster.
-                        masks={w: None if span.start == 0 and w is None else _mask(positions, end, w) for w in windows},
+                        masks={w: None if start == 0 and w is None else _mask(q_pos, end, w) for w in windows},
                     )
                 )
-            row += span.num_new
+            row += n
         decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
-            q_pos = torch.tensor(decode_pos, dtype=torch.long, device=device)
+        if decode_spans:
+            index = torch.tensor(decode_spans, dtype=torch.long)  # [num_decodes]
+            need = torch.tensor([needed[i] for i in decode_spans], dtype=torch.long)  # [num_decodes]
+            width = max(needed[i] for i in decode_spans)
+            block_tables = tables[:, :width].index_select(0, index)  # [num_decodes, width]
+            # Entries past a span's own blocks read as block 0 (masked out either way).
+            block_tables.masked_fill_(torch.arange(width) >= need[:, None], 0)
+            q_pos = start_t[index].to(device)
             decode = DecodeGroup(
-                rows=_rows(decode_rows, device),
-                block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+                rows=_rows(first_row[index].tolist(), device),
+                block_tables=block_tables.to(device),
                 context_lens=q_pos + 1,
-                masks={w: _mask(q_pos, width * block_size, w)[:, None, None, :] for w in windows},
+                block_size=block_size,
             )
         return cls(
-            positions=torch.tensor(token_positions, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
             decode=decode,
             prefills=tuple(prefills),
             buffers=buffers or GatherBuffers(),
         )
+
+
+def padded_tables(tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Whole block tables as given (not kept by a stage): ([batch, width] long, zero padded; width
+    at least 1) and their lengths."""
+    lengths = [len(t) for t in tables]
+    width = max(lengths, default=0) or 1
+    out = torch.zeros((len(tables), width), dtype=torch.long)
+    for i, t in enumerate(tables):
+        if t:
+            out[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+    return out, lengths
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -221,7 +272,7 @@ def paged_attention(
         keys = md.buffers.gather(0, k_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         values = md.buffers.gather(1, v_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[d.rows].unsqueeze(2), keys, values, attn_mask=d.masks[window], scale=scale, enable_gqa=True
+            q[d.rows].unsqueeze(2), keys, values, attn_mask=d.mask(window), scale=scale, enable_gqa=True
         )
         out[d.rows] = o.squeeze(2)
     return out

@@ -38,7 +38,8 @@ class InProcessExecutor:
     def forward(
         self, chunks: Sequence[SeqChunk], all_logits: bool = False, prompt_rows: Sequence[int] = ()
     ) -> torch.Tensor:
-        """One micro-batch through every stage in turn; returns the last stage's logits."""
+        """Chunks that carry whole block tables (reference passes) through every stage in turn;
+        returns the last stage's logits. The runners' kept tables are not touched."""
         out: torch.Tensor | None = None
         for runner in self.runners:
             out = runner.execute(chunks, out, all_logits=all_logits, prompt_rows=prompt_rows)
@@ -46,8 +47,13 @@ class InProcessExecutor:
         return out
 
     def run(self, plan: StepPlan) -> StepResult:
-        """A plan, run as the stage processes run it (without timings)."""
-        logits = self.forward(plan.chunks, prompt_rows=prompt_rows(plan))
+        """A plan, run as the stage processes run it (without timings): each runner applies the
+        plan's block-table changes to the tables it keeps, in plan order."""
+        rows = prompt_rows(plan)
+        logits: torch.Tensor | None = None
+        for runner in self.runners:
+            logits = runner.execute_plan(plan, logits, prompt_rows=rows)
+        assert logits is not None
         samples, prompt_logprobs = last_stage_outputs(self.sampler, plan, logits)
         return StepResult(plan.mb_id, samples, [], prompt_logprobs)
 
@@ -76,9 +82,12 @@ class InProcessExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self.run, plan)
 
     def reset(self) -> None:
-        """Void the queued plans and the sampling state, as a pipeline reset does to the stages."""
+        """Void the queued plans, the block tables and the sampling state, as a pipeline reset
+        does to the stages (the scheduler then sends every table whole again)."""
         self._plans.clear()
         self.sampler.clear()
+        for runner in self.runners:
+            runner.clear_tables()
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

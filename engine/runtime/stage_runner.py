@@ -1,7 +1,10 @@
-"""One pipeline stage's compute: its model slice and KV cache, executing a micro-batch.
+"""One pipeline stage's compute: its model slice, KV cache and block tables, executing a micro-batch.
 
-This is the process-independent core of a stage: the local pipeline calls it in sequence in one
-process, and a stage process wraps it with transport.
+This is the process-independent core of a stage: an in-process pipeline calls it in sequence in
+one process, and a stage process wraps it with transport. Two entry points share one forward:
+`execute_plan` runs a scheduler's StepPlan, whose chunks carry only new blocks (the runner keeps
+each request's table between plans), and `execute` runs chunks that carry whole tables
+(synthetic chunks of the start-up profile, reference passes in tests).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import torch
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import decode_attention
-from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers
+from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, padded_tables
 from ppserve.engine.model.kv_cache import allocate_kv_cache
 from ppserve.engine.model.model import StageModel, rope_inv_freq
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.weights import load_stage_weights
-from ppserve.transport.messages import SeqChunk
+from ppserve.engine.runtime.block_tables import BlockTables
+from ppserve.transport.messages import SeqChunk, StepPlan
 
 
 class StageRunner:
@@ -37,6 +41,7 @@ class StageRunner:
         model.fuse()
         self.model = model.eval()
         self.gather_buffers = GatherBuffers()
+        self.tables = BlockTables()  # each request's KV blocks, kept between plans
         self.tokens_computed = 0  # rows through this stage's layers, since start (metrics, tests)
         try:
             self.kv_cache = allocate_kv_cache(
@@ -48,6 +53,18 @@ class StageRunner:
                 f"{config.device}: {e}; lower --kv-cache-gb"
             ) from None
 
+    def execute_plan(
+        self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """Run a scheduler's plan: apply its block-table changes, then run its chunks with the
+        tables this stage keeps. Plans must come in the order they were built (see BlockTables)."""
+        self.tables.apply(plan)
+        return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows, tables=self.tables)
+
+    def clear_tables(self) -> None:
+        """Forget every request's table: the plans so far are void (the pipeline was reset)."""
+        self.tables.clear()
+
     @torch.inference_mode()
     def execute(
         self,
@@ -55,8 +72,11 @@ class StageRunner:
         hidden: torch.Tensor | None = None,
         all_logits: bool = False,
         prompt_rows: Sequence[int] = (),
+        tables: BlockTables | None = None,
     ) -> torch.Tensor:
-        """Run one micro-batch through this stage.
+        """Run one micro-batch through this stage. `tables`: where the chunks' requests' block
+        tables are (`execute_plan` passes the kept ones); None: each chunk's `blocks` is its
+        whole table.
 
         First stage: reads `chunks[i].token_ids`; other stages: `hidden` [num_tokens, hidden_size]
         from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
@@ -65,7 +85,20 @@ class StageRunner:
         prompt logprobs); `all_logits`: every row, [num_tokens, vocab].
         """
         device = self.device
-        md = AttentionMetadata.build(chunks, self.config.block_size, device, self.model.windows, self.gather_buffers)
+        if tables is None:
+            block_tables, lengths = padded_tables([c.blocks for c in chunks])
+        else:
+            block_tables, lengths = tables.lookup([c.request_id for c in chunks])
+        md = AttentionMetadata.from_tables(
+            [c.start for c in chunks],
+            [c.num_new for c in chunks],
+            block_tables,
+            lengths,
+            self.config.block_size,
+            device,
+            self.model.windows,
+            self.gather_buffers,
+        )
         if self.first:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
         else:

@@ -295,12 +295,14 @@ class StageWorker:
 
     async def _reset(self, epoch: int, first_mb: int) -> None:
         """Void every plan received so far: stop the pipeline, let a computation in progress end
-        (its output is dropped), forget queued plans and sampling state, start again empty."""
+        (its output is dropped), forget queued plans, block tables and sampling state, start
+        again empty (the host then sends every request's whole table again)."""
         for t in self._pipeline:
             t.cancel()
         await asyncio.gather(*self._pipeline, return_exceptions=True)
-        # The compute pool has one thread: once this no-op has run, no old plan is computing.
-        await asyncio.get_running_loop().run_in_executor(self.compute_pool, lambda: None)
+        # The compute pool has one thread: once this has run, no old plan is computing, and the
+        # tables it kept are gone before any new plan is applied.
+        await asyncio.get_running_loop().run_in_executor(self.compute_pool, self.runner.clear_tables)
         while not self._plans.empty():
             self._plans.get_nowait()
         if self.last:
@@ -400,11 +402,11 @@ class StageWorker:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         if not self.last:
-            out = self.runner.execute(plan.chunks, hidden)
+            out = self.runner.execute_plan(plan, hidden)
             if events is not None:
                 events[1].record()
             return out, events
-        logits = self.runner.execute(plan.chunks, hidden, prompt_rows=prompt_rows(plan))
+        logits = self.runner.execute_plan(plan, hidden, prompt_rows=prompt_rows(plan))
         results = last_stage_outputs(self.sampler, plan, logits)
         if events is not None:
             events[1].record()  # after sampling, which is part of this stage's time

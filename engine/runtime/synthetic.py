@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.transport.messages import SeqChunk
+from ppserve.transport.messages import SeqChunk, StepPlan
 
 
 def synthetic_seconds(latency: tuple[float, float, float], chunks: Sequence[SeqChunk], share: float) -> float:
@@ -45,6 +45,14 @@ class SyntheticRunner:
         self.last = stage == config.pp_size - 1
         self.token = config.model_config.vocab_size - 1
         self.tokens_computed = 0
+
+    def execute_plan(
+        self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
+        return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows)  # no KV: no tables to keep
+
+    def clear_tables(self) -> None:
+        pass
 
     def execute(
         self,
