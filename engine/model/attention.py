@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -127,7 +128,9 @@ class AttentionMetadata:
         `windows`: the sliding windows of the layers that will use this metadata (masks are built
         once here rather than once per layer).
 
-        Python work is per span, never per token or per block: positions and slots are tensor ops.
+        Python work is per span, never per token or per block: positions and slots are array ops
+        (numpy on the CPU's table: a few microseconds each, where a small batch would pay more
+        in torch's per-op overhead than the old per-token loop cost), moved to `device` at the end.
         """
         windows = tuple(set(windows))
         batch = len(starts)
@@ -138,14 +141,14 @@ class AttentionMetadata:
             needed.append(-(-(start + n) // block_size))
             if length < needed[-1]:
                 raise ValueError(f"block table has {length} blocks, {start + n} tokens need {needed[-1]}")
-        start_t = torch.tensor(starts, dtype=torch.long)  # [batch]
-        new_t = torch.tensor(num_new, dtype=torch.long)  # [batch]
-        num_tokens = sum(num_new)
-        span_of = torch.repeat_interleave(torch.arange(batch), new_t)  # [num_tokens]: each row's span
-        first_row = torch.cumsum(new_t, 0) - new_t  # [batch]: each span's first row
-        positions = start_t[span_of] + torch.arange(num_tokens) - first_row[span_of]  # [num_tokens]
+        table = tables.numpy()  # [batch, width] int64, shares memory
+        start_a = np.asarray(starts, dtype=np.int64)  # [batch]
+        new_a = np.asarray(num_new, dtype=np.int64)  # [batch]
+        span_of = np.repeat(np.arange(batch), new_a)  # [num_tokens]: each row's span
+        first_row = np.cumsum(new_a) - new_a  # [batch]: each span's first row
+        positions = start_a[span_of] + np.arange(len(span_of)) - first_row[span_of]  # [num_tokens]
         # slot = block * block_size + offset, the block read from the row's own table.
-        slots = tables[span_of, positions // block_size] * block_size + positions % block_size  # [num_tokens]
+        slots = table[span_of, positions // block_size] * block_size + positions % block_size  # [num_tokens]
 
         prefills: list[PrefillGroup] = []
         decode_spans: list[int] = []
@@ -169,22 +172,22 @@ class AttentionMetadata:
             row += n
         decode = None
         if decode_spans:
-            index = torch.tensor(decode_spans, dtype=torch.long)  # [num_decodes]
-            need = torch.tensor([needed[i] for i in decode_spans], dtype=torch.long)  # [num_decodes]
-            width = max(needed[i] for i in decode_spans)
-            block_tables = tables[:, :width].index_select(0, index)  # [num_decodes, width]
+            index = np.asarray(decode_spans, dtype=np.int64)  # [num_decodes]
+            need = np.asarray([needed[i] for i in decode_spans], dtype=np.int64)  # [num_decodes]
+            width = int(need.max())
+            block_tables = table[index, :width]  # [num_decodes, width], a copy
             # Entries past a span's own blocks read as block 0 (masked out either way).
-            block_tables.masked_fill_(torch.arange(width) >= need[:, None], 0)
-            q_pos = start_t[index].to(device)
+            block_tables[np.arange(width) >= need[:, None]] = 0
+            q_pos = torch.from_numpy(start_a[index]).to(device)
             decode = DecodeGroup(
                 rows=_rows(first_row[index].tolist(), device),
-                block_tables=block_tables.to(device),
+                block_tables=torch.from_numpy(block_tables).to(device),
                 context_lens=q_pos + 1,
                 block_size=block_size,
             )
         return cls(
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
+            positions=torch.from_numpy(positions).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
             decode=decode,
             prefills=tuple(prefills),
             buffers=buffers or GatherBuffers(),
