@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang_watch import hang_watch
 from live_server import LiveServer
 
 from ppserve.engine.environment import LOOP_WATCH_ENV
@@ -34,6 +35,12 @@ SPECS = {
     "qwen3-bias-tied": TinySpec(arch="qwen3", seed=7, tie_word_embeddings=True, overrides=(("attention_bias", True),)),
 }
 ARCHS = list(SPECS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with hang_watch(item.nodeid):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
