@@ -2,7 +2,7 @@
 
 A table in README.md or docs/*.md sits between two markers that name it:
 
-    <!-- bench-table: peers_small -->
+    <!-- bench-table: peers_smollm2 -->
     | ... the table, and a line saying what it was measured at ... |
     <!-- /bench-table -->
 
@@ -143,36 +143,6 @@ def peers_table(labels: dict[str, str], tok_digits: int) -> Callable[[Sequence[R
 
 
 VLLM = "vLLM, 2 threads"
-table_peers_small = peers_table(
-    {
-        "ppserve-pp1": "ppserve, PP=1",
-        "vllm": VLLM,
-        "ppserve-pp2": "ppserve, PP=2",
-        "vllm-pp2": "vLLM, PP=2 (a core per stage)",
-        "llama-server": "llama-server (2 threads, 16 slots)",
-    },
-    0,
-)
-table_peers_realistic = peers_table(
-    {
-        "ppserve-pp1": "ppserve, PP=1",
-        "vllm": VLLM,
-        "ppserve-pp2": "ppserve, PP=2",
-        "vllm-pp2": "vLLM, PP=2",
-        "llama-server": "llama-server",
-    },
-    1,
-)
-table_peers_bf16 = peers_table(
-    {
-        "ppserve-pp1": "ppserve, PP=1",
-        "vllm": VLLM,
-        "ppserve-pp2": "ppserve, PP=2",
-        "vllm-pp2": "vLLM, PP=2",
-        "llama-server": "llama-server",
-    },
-    0,
-)
 table_peers_smollm2 = peers_table(
     {
         "ppserve-pp1": "ppserve, PP=1",
@@ -186,20 +156,22 @@ table_peers_smollm2 = peers_table(
 )
 
 
+# Columns of the targets table: a label, and the peers JSON that gives both its PP=1 and PP=2 rows.
+TARGET_COLUMNS = {"peers_smollm2.json": "SmolLM2-135M, float32"}
+
+
 def table_peers_targets(results: Sequence[Result]) -> list[str]:
-    """Ratios ppserve / peer for the small, realistic (PP=1 file, PP=2 file) and bfloat16 runs;
-    bold where the target is met."""
-    small, realistic, realistic_pp2, bf16 = results
-    columns = [(small, small), (realistic, realistic_pp2), (bf16, bf16)]
+    """Ratios ppserve / peer, one column per peers run of TARGET_COLUMNS; bold where the target
+    is met."""
 
     def ratio(r: Result, a: str, b: str, key: str) -> float:
         return float(r["engines"][a][key] / r["engines"][b][key])
 
     def pp1(key: str, peer: str = "vllm") -> list[float]:
-        return [ratio(p, "ppserve-pp1", peer, key) for p, _ in columns]
+        return [ratio(r, "ppserve-pp1", peer, key) for r in results]
 
     def pp2(key: str) -> list[float]:
-        return [ratio(q, "ppserve-pp2", "vllm-pp2", key) for _, q in columns]
+        return [ratio(r, "ppserve-pp2", "vllm-pp2", key) for r in results]
 
     def at_least(limit: float, values: list[float]) -> list[str]:
         return [bold(num(v, 2), v >= limit) for v in values]
@@ -216,7 +188,7 @@ def table_peers_targets(results: Sequence[Result]) -> list[str]:
         ["batch-1 time per token ≤ 1.5x llama-server's", *at_most(1.5, pp1("batch1_itl_ms_p50", "llama-server"))],
         ["TTFT ahead of vLLM (PP=1 / PP=2)", *(f"{a} / {b}" for a, b in ttft)],
     ]
-    return markdown(["target", "small, float32", "realistic, float32", "small, bfloat16"], rows)
+    return markdown(["target", *TARGET_COLUMNS.values()], rows)
 
 
 def table_profile_step(results: Sequence[Result]) -> list[str]:
@@ -505,13 +477,8 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "gguf_load": Table(("gguf_load.json",), table_gguf_load),
-    "peers_small": Table(("peers.json",), table_peers_small),
-    "peers_realistic": Table(("peers_realistic.json", "peers_realistic_pp2.json"), table_peers_realistic),
-    "peers_bf16": Table(("peers_bf16.json",), table_peers_bf16),
     "peers_smollm2": Table(("peers_smollm2.json",), table_peers_smollm2),
-    "peers_targets": Table(
-        ("peers.json", "peers_realistic.json", "peers_realistic_pp2.json", "peers_bf16.json"), table_peers_targets
-    ),
+    "peers_targets": Table(tuple(TARGET_COLUMNS), table_peers_targets),
     "profile_step": Table(
         (
             "profile_step_small_plain.json",
