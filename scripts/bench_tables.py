@@ -469,6 +469,54 @@ def table_prefix_cache(results: Sequence[Result]) -> list[str]:
     return markdown(header, rows)
 
 
+def table_plan_diff(results: Sequence[Result]) -> list[str]:
+    """Plan bytes and a stage's per-step decode + metadata time, whole tables against diffs."""
+    rows = []
+    for r in results[0]["results"]:
+        b, ms = r["plan_bytes"], r["stage_decode_and_metadata_ms"]
+        rows.append(
+            [
+                f"{r['requests']} x {r['context'] // 1024}K",
+                thousands(b["old_mean"]),
+                f"{thousands(b['new_mean'])} (max {thousands(b['new_max'])})",
+                f"{num(ms['old'], 2)} ms",
+                f"{num(ms['new'], 2)} ms",
+                f"{num(r['host_schedule_ms'], 2)} ms",
+            ]
+        )
+    header = ["requests x context", "plan bytes, whole tables", "plan bytes, diffs", "stage, before", "stage, now"]
+    return markdown([*header, "host schedule()"], rows)
+
+
+def table_ab_throughput(results: Sequence[Result]) -> list[str]:
+    """This checkout (B) against the base commit (A): medians over alternating rounds."""
+    r = results[0]
+    rows = []
+    for key, side in sorted(r["results"].items()):
+        a, b, ratio = side["A"], side["B"], side["ratio_b_over_a"]["output_token_throughput"]
+        per_round = ", ".join(num(x, 2) for x in side["ratio_b_over_a_per_round"]["output_token_throughput"])
+        rows.append(
+            [
+                f"PP={key.removeprefix('pp')}",
+                num(a["output_token_throughput"]),
+                num(b["output_token_throughput"]),
+                bold(num(ratio, 2), ratio >= 1),
+                per_round,
+                f"{num(a['itl_ms_p50'])} / {num(b['itl_ms_p50'])} ms",
+            ]
+        )
+    base = r["base"]["commit"][:12]
+    header = [
+        "pipeline",
+        f"output tok/s, base `{base}`",
+        "output tok/s, this",
+        "ratio",
+        "per round",
+        "ITL p50 base / this",
+    ]
+    return markdown(header, rows)
+
+
 @dataclass(frozen=True)
 class Table:
     sources: tuple[str, ...]  # result files under benchmarks/results, in the order `render` takes them
@@ -496,6 +544,7 @@ TABLES: dict[str, Table] = {
     "chunking": Table(("chunking.json",), table_chunking),
     "chunking_scaling": Table(("chunking.json",), table_chunking_scaling),
     "prefix_cache": Table(("prefix_cache.json",), table_prefix_cache),
+    "plan_diff": Table(("plan_diff.json",), table_plan_diff),
 }
 
 
