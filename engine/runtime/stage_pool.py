@@ -23,17 +23,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-import torch.multiprocessing as mp
-
 from ppserve.engine.cluster.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.runtime.stage_process import spawn
 from ppserve.engine.runtime.stage_worker import StageLaunch, stage_main
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
@@ -481,25 +478,4 @@ def channel_specs(config: EngineConfig, addresses: Addresses, local: list[int]) 
 
 
 def spawn_stage(launch: StageLaunch) -> BaseProcess:
-    proc = mp.get_context("spawn").Process(
-        target=stage_main, args=(launch,), name=f"ppserve-stage-{launch.stage}", daemon=True
-    )
-    with _sigint_blocked():
-        proc.start()
-    return proc
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """Block SIGINT while a stage process is spawned. Ctrl-C reaches the whole process group;
-    the child inherits the blocked signal, so a stage interrupted while it still imports torch
-    prints no KeyboardInterrupt traceback (the host decides when stages stop). In this process
-    a Ctrl-C that comes meanwhile stays pending and is delivered when the block ends."""
-    # Starting multiprocessing's resource tracker (which spawning does on first use) unblocks
-    # SIGINT when it is done, so it is started before the block.
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return spawn(stage_main, launch, f"ppserve-stage-{launch.stage}")

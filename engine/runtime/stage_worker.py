@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from ppserve.engine.runtime.cpu_affinity import pin_stage
 from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
 from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
@@ -100,11 +100,11 @@ def _init_compute_thread(threads: int, gpu: int | None) -> None:
 
 def stage_main(launch: StageLaunch) -> None:
     """Process entry point (spawn)."""
-    _set_process_name(f"ppserve-stage-{launch.stage}")
+    set_process_name(f"ppserve-stage-{launch.stage}")
     # Ctrl-C reaches the whole process group; the host decides when stages stop (and a stage
     # exits by itself if the host is gone), so a stage prints no KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _keep_freed_memory()
+    keep_freed_memory()
     pin_stage(launch.config, launch.stage, launch.threads)  # before torch starts its OpenMP team
     torch.set_num_threads(launch.threads)
     if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
@@ -488,19 +488,3 @@ def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRun
     from ppserve.engine.runtime.stage_runner import StageRunner
 
     return StageRunner(config, stage)
-
-
-def _keep_freed_memory() -> None:
-    """Tell glibc to serve big blocks from its heap and keep freed memory: a stage allocates
-    and frees the same multi-MB activations every step, and handing them back to the OS each
-    time turns every step into thousands of page faults."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-
-
-def _set_process_name(name: str) -> None:
-    """The OS-level name (what `ps -o comm` and `top` show), Linux only."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

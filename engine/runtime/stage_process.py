@@ -1,0 +1,56 @@
+"""A stage as an operating-system process: how it is spawned, named, and told to keep its memory.
+
+The stage's own work is stage_worker.py; these are the few calls around it that only make sense
+for a process of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def spawn(target: Callable[..., Any], arg: object, name: str) -> BaseProcess:
+    """Start `target(arg)` in a fresh (spawned) daemon process named `name`."""
+    proc = mp.get_context("spawn").Process(target=target, args=(arg,), name=name, daemon=True)
+    with _sigint_blocked():
+        proc.start()
+    return proc
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT while a stage process is spawned. Ctrl-C reaches the whole process group;
+    the child inherits the blocked signal, so a stage interrupted while it still imports torch
+    prints no KeyboardInterrupt traceback (the host decides when stages stop). In this process
+    a Ctrl-C that comes meanwhile stays pending and is delivered when the block ends."""
+    # Starting multiprocessing's resource tracker (which spawning does on first use) unblocks
+    # SIGINT when it is done, so it is started before the block.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def keep_freed_memory() -> None:
+    """Tell glibc to serve big blocks from its heap and keep freed memory: a stage allocates
+    and frees the same multi-MB activations every step, and handing them back to the OS each
+    time turns every step into thousands of page faults."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
+def set_process_name(name: str) -> None:
+    """The OS-level name (what `ps -o comm` and `top` show), Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
