@@ -58,17 +58,21 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
 
 def hf_decode_steps(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[float]:
     """transformers at its leanest: one forward for the prompts, then one per token, greedy, with
-    its own KV cache. Yields the time of each decode step (argmax included)."""
+    its own KV cache. Yields the time of each decode step (argmax included). Inference mode is
+    entered and left around each step, never held across a yield: the generator is advanced on
+    the engine's compute thread, and a mode left open there would leak into that thread."""
     with torch.inference_mode():
         out = model(prompts, use_cache=True)
         cache = out.cache
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new_tokens - 1):
+    for _ in range(new_tokens - 1):
+        with torch.inference_mode():
             start = time.perf_counter()
             out = model(token, cache=cache, use_cache=True)
             cache = out.cache
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            yield time.perf_counter() - start
+            seconds = time.perf_counter() - start
+        yield seconds
 
 
 def paired_decode_steps(

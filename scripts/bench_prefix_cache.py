@@ -372,7 +372,9 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):  # drift in speed hits both alike
             flags = f"{common} --{'' if mode == 'on' else 'no-'}enable-prefix-caching {args.ppserve_args}"
-            ns = argparse.Namespace(dtype=args.dtype, ppserve_args=flags, start_timeout=args.start_timeout)
+            ns = argparse.Namespace(
+                shape=args.shape, dtype=args.dtype, ppserve_args=flags, start_timeout=args.start_timeout
+            )
             # One server at a time: with 2 cores, two would slow each other down.
             with bp.serve(f"ppserve-pp{args.pp_size}", model_dir, ns) as server:
                 result, texts = uvloop.run(bench_server(server, args, prompts, tok))
