@@ -545,6 +545,7 @@ TABLES: dict[str, Table] = {
     "chunking_scaling": Table(("chunking.json",), table_chunking_scaling),
     "prefix_cache": Table(("prefix_cache.json",), table_prefix_cache),
     "plan_diff": Table(("plan_diff.json",), table_plan_diff),
+    "ab_throughput": Table(("ab_throughput.json",), table_ab_throughput),
 }
 
 
