@@ -20,18 +20,17 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = re.compile(r"<!-- bench-table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /bench-table -->", re.DOTALL)
-
-Result = dict[str, Any]
-Row = Sequence[str]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_format import Result, bold, markdown, num, thousands, us_or_ms  # noqa: E402
+from bench_table_peers import TARGET_COLUMNS, table_ab_throughput, table_peers_smollm2, table_peers_targets  # noqa: E402
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -39,34 +38,6 @@ def doc_files(root: Path = ROOT) -> list[Path]:
 
 
 # --- formatting -------------------------------------------------------------------------------
-
-
-def num(x: float, digits: int = 1) -> str:
-    """`x` rounded half up as written (so 2.145 gives 2.15, as a person rounds it)."""
-    q = Decimal(1).scaleb(-digits)
-    return str(Decimal(repr(float(x))).quantize(q, rounding=ROUND_HALF_UP))
-
-
-def thousands(x: float) -> str:
-    return f"{round(x):,}"
-
-
-def bold(text: str, on: bool = True) -> str:
-    return f"**{text}**" if on else text
-
-
-def us_or_ms(us: float) -> str:
-    return f"{num(us, 0)} µs" if us < 1000 else f"{num(us / 1000, 2)} ms"
-
-
-def markdown(header: Row, rows: Iterable[Row]) -> list[str]:
-    def line(cells: Row) -> str:
-        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
-
-    return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
-
-
-# --- what a table was measured at -------------------------------------------------------------
 
 
 def provenance_line(names: Sequence[str], results: Sequence[Result], doc_dir: Path, root: Path) -> str:
@@ -106,89 +77,6 @@ def table_gguf_load(r: Sequence[Result]) -> list[str]:
         ("transformers_gguf", "transformers' own GGUF loader (`from_pretrained(gguf_file=...)`), for comparison"),
     ]
     return markdown(["start", f"seconds (median of {d['rounds']})"], [(label, num(med[k])) for k, label in labels])
-
-
-PEER_ORDER = ["ppserve-pp1", "vllm", "ppserve-pp2", "vllm-pp2", "llama-server", "llama-server-q4_1"]
-RIVAL = {"ppserve-pp1": "vllm", "ppserve-pp2": "vllm-pp2"}
-LOWER_IS_BETTER = {"ttft_ms_p50", "itl_ms_p50", "batch1_itl_ms_p50"}
-
-
-def peers_table(labels: dict[str, str], tok_digits: int) -> Callable[[Sequence[Result]], list[str]]:
-    """Engines of one or more peers JSONs (later files add engines). A ppserve burst figure is bold
-    where it beats vLLM's at the same pipeline size."""
-
-    def render(results: Sequence[Result]) -> list[str]:
-        engines: dict[str, dict[str, float]] = {}
-        for r in results:
-            engines.update(r["engines"])
-        formats: list[tuple[str, Callable[[float], str], bool]] = [
-            ("output_tok_s", lambda v: num(v, tok_digits), True),
-            ("ttft_ms_p50", lambda v: f"{num(v / 1000, 2)} s", True),
-            ("itl_ms_p50", lambda v: f"{num(v)} ms", True),
-            ("batch1_tok_s", lambda v: num(v), False),
-            ("batch1_itl_ms_p50", lambda v: f"{num(v)} ms", False),
-        ]
-        rows = []
-        for name in (n for n in PEER_ORDER if n in engines and n in labels):
-            e, rival = engines[name], engines.get(RIVAL.get(name, ""))
-            cells = [labels[name]]
-            for key, fmt, burst in formats:
-                better = rival is not None and (e[key] < rival[key] if key in LOWER_IS_BETTER else e[key] > rival[key])
-                cells.append(bold(fmt(e[key]), burst and better))
-            rows.append(cells)
-        header = ["engine", "output tok/s", "TTFT p50", "ITL p50", "batch-1 tok/s", "batch-1 ITL p50"]
-        return markdown(header, rows)
-
-    return render
-
-
-VLLM = "vLLM, 2 threads"
-table_peers_smollm2 = peers_table(
-    {
-        "ppserve-pp1": "ppserve, PP=1",
-        "vllm": VLLM,
-        "ppserve-pp2": "ppserve, PP=2",
-        "vllm-pp2": "vLLM, PP=2 (a core per stage)",
-        "llama-server": "llama-server, F32 GGUF",
-        "llama-server-q4_1": "llama-server, the Q4_1 GGUF itself",
-    },
-    1,
-)
-
-
-# Columns of the targets table: a label, and the peers JSON that gives both its PP=1 and PP=2 rows.
-TARGET_COLUMNS = {"peers_smollm2.json": "SmolLM2-135M, float32"}
-
-
-def table_peers_targets(results: Sequence[Result]) -> list[str]:
-    """Ratios ppserve / peer, one column per peers run of TARGET_COLUMNS; bold where the target
-    is met."""
-
-    def ratio(r: Result, a: str, b: str, key: str) -> float:
-        return float(r["engines"][a][key] / r["engines"][b][key])
-
-    def pp1(key: str, peer: str = "vllm") -> list[float]:
-        return [ratio(r, "ppserve-pp1", peer, key) for r in results]
-
-    def pp2(key: str) -> list[float]:
-        return [ratio(r, "ppserve-pp2", "vllm-pp2", key) for r in results]
-
-    def at_least(limit: float, values: list[float]) -> list[str]:
-        return [bold(num(v, 2), v >= limit) for v in values]
-
-    def at_most(limit: float, values: list[float]) -> list[str]:
-        return [bold(num(v, 2), v <= limit) for v in values]
-
-    ttft = zip(at_most(1, pp1("ttft_ms_p50")), at_most(1, pp2("ttft_ms_p50")), strict=True)
-    rows = [
-        ["PP=1 output tokens/s ≥ 1.0x vLLM", *at_least(1, pp1("output_tok_s"))],
-        ["PP=1 ITL p50 ≤ vLLM's", *at_most(1, pp1("itl_ms_p50"))],
-        ["PP=2 output tokens/s ≥ 1.0x vLLM PP=2", *at_least(1, pp2("output_tok_s"))],
-        ["batch-1 ITL ≤ vLLM's (PP=1)", *at_most(1, pp1("batch1_itl_ms_p50"))],
-        ["batch-1 time per token ≤ 1.5x llama-server's", *at_most(1.5, pp1("batch1_itl_ms_p50", "llama-server"))],
-        ["TTFT ahead of vLLM (PP=1 / PP=2)", *(f"{a} / {b}" for a, b in ttft)],
-    ]
-    return markdown(["target", *TARGET_COLUMNS.values()], rows)
 
 
 def table_profile_step(results: Sequence[Result]) -> list[str]:
@@ -486,35 +374,6 @@ def table_plan_diff(results: Sequence[Result]) -> list[str]:
         )
     header = ["requests x context", "plan bytes, whole tables", "plan bytes, diffs", "stage, before", "stage, now"]
     return markdown([*header, "host schedule()"], rows)
-
-
-def table_ab_throughput(results: Sequence[Result]) -> list[str]:
-    """This checkout (B) against the base commit (A): medians over alternating rounds."""
-    r = results[0]
-    rows = []
-    for key, side in sorted(r["results"].items()):
-        a, b, ratio = side["A"], side["B"], side["ratio_b_over_a"]["output_token_throughput"]
-        per_round = ", ".join(num(x, 2) for x in side["ratio_b_over_a_per_round"]["output_token_throughput"])
-        rows.append(
-            [
-                f"PP={key.removeprefix('pp')}",
-                num(a["output_token_throughput"]),
-                num(b["output_token_throughput"]),
-                bold(num(ratio, 2), ratio >= 1),
-                per_round,
-                f"{num(a['itl_ms_p50'])} / {num(b['itl_ms_p50'])} ms",
-            ]
-        )
-    base = r["base"]["commit"][:12]
-    header = [
-        "pipeline",
-        f"output tok/s, base `{base}`",
-        "output tok/s, this",
-        "ratio",
-        "per round",
-        "ITL p50 base / this",
-    ]
-    return markdown(header, rows)
 
 
 @dataclass(frozen=True)
