@@ -19,6 +19,7 @@ from ppserve.engine.model.gguf_checkpoint import is_gguf_file, prepare_gguf
 from ppserve.engine.model.kv_cache import kv_bytes_per_block
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.partition import partition_layers
+from ppserve.engine.model.quantized import QUANTIZATIONS
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.transport.tensor_channel import resolve_kind
 
@@ -44,6 +45,9 @@ class EngineConfig:
     pp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda"
     block_size: int = 16
+    # Weight-only quantized linears (engine/model/quantized.py): "auto" keeps a GGUF's Q8_0, Q4_0 and
+    # Q4_1 weights so; "none" runs every weight in `dtype`; "int8" quantizes every linear to int8.
+    quantization: str = "auto"
     # Runtime (pipeline) settings.
     edge_transports: tuple[str, ...] = ()  # per edge (stage i -> i + 1), resolved: shm | gloo | nccl | zmq
     max_running_requests: int = _SCHEDULER.max_running_requests
@@ -118,6 +122,8 @@ class EngineConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
         s["dtype"] = _resolve_dtype(s.get("dtype") or "auto", model_config, device)
+        if s["quantization"] not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {s['quantization']!r}")
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         s["layer_ranges"] = ranges = partition_layers(model_config.num_layers, pp_size, layer_partition)
@@ -200,7 +206,7 @@ class EngineConfig:
     def cluster_settings(self) -> dict[str, str]:
         """What every node of a cluster must agree on (compared when a node joins)."""
         names = (
-            "pp_size layer_ranges dtype device block_size num_kv_blocks max_model_len edge_transports "
+            "pp_size layer_ranges dtype quantization device block_size num_kv_blocks max_model_len edge_transports "
             "max_batched_tokens async_depth dynamic_chunking synthetic_latency"
         ).split()
         settings = {name: str(getattr(self, name)) for name in names}

@@ -248,6 +248,8 @@ def served(args: argparse.Namespace, model_dir: Path) -> Iterator[tuple[str, int
     cmd += ["--pp-size", str(args.pp_size), "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning"]
     cmd += ["--max-running-requests", str(args.max_running_requests)]
     cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if quantization := getattr(args, "quantization", None):  # else the engine's default
+        cmd += ["--quantization", quantization]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     try:

@@ -7,6 +7,7 @@ from its own forward pass on the same token ids (for a GGUF, through its own GGU
 
     .venv/bin/python scripts/eval_perplexity.py                        # the demo model, PP=2, starts the server
     .venv/bin/python scripts/eval_perplexity.py --pp-size 3 --chunked-prefill-size 64
+    .venv/bin/python scripts/eval_perplexity.py --quantization auto --tolerance 0.01   # kept quantized
     .venv/bin/python scripts/eval_perplexity.py --url http://127.0.0.1:8000 --no-reference
 
 Prints both perplexities and their relative difference; exits 1 when it exceeds --tolerance
@@ -73,6 +74,12 @@ def main() -> int:
     p.add_argument("--pp-size", type=int, default=2)
     p.add_argument("--chunked-prefill-size", type=int, default=128, help="so that the text spans several chunks")
     p.add_argument("--text", default=str(TEXT))
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["auto", "none", "int8"],
+        help="the server's (default none: the float weights transformers runs; auto keeps a GGUF's types)",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip transformers")
     p.add_argument("--tolerance", type=float, default=1e-3, help="largest relative difference accepted")
     args = p.parse_args()
@@ -89,7 +96,11 @@ def main() -> int:
     else:
         chunk = args.chunked_prefill_size
         settings = argparse.Namespace(
-            pp_size=args.pp_size, kv_cache_gb=0.1, max_running_requests=8, chunked_prefill_size=chunk
+            pp_size=args.pp_size,
+            kv_cache_gb=0.1,
+            max_running_requests=8,
+            chunked_prefill_size=chunk,
+            quantization=args.quantization,
         )
         with bench_serving.served(settings, model) as (url, _):
             ours = server_logprobs(url, ids)

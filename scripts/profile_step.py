@@ -35,7 +35,19 @@ from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 # Op name -> group. First match wins; anything unmatched is "other ops".
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn", "mkl_linear", "aten::matmul", "onednn")),
+    (
+        "gemm",
+        (
+            "aten::_weight_int",
+            "aten::mm",
+            "aten::addmm",
+            "aten::linear",
+            "mkldnn",
+            "mkl_linear",
+            "aten::matmul",
+            "onednn",
+        ),
+    ),
     (
         "attention",
         (
@@ -72,6 +84,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plain-linear", action="store_true", help="F.linear instead of oneDNN-packed weights")
     p.add_argument("--tag", default="")
@@ -84,6 +97,7 @@ def main() -> None:
         a.model_dir,
         pp_size=1,
         dtype=a.dtype,
+        quantization=a.quantization,
         kv_cache_gb=2.0,
         enable_prefix_caching=False,
         chunked_prefill_size=max(512, a.context),
@@ -110,6 +124,7 @@ def main() -> None:
         "benchmark": "profile_step",
         "model_dir": a.model_dir,
         "dtype": a.dtype,
+        "quantization": a.quantization,
         "batch": a.batch,
         "context": a.context,
         "threads": a.threads,

@@ -15,6 +15,7 @@ ENGINE_FLAGS = {
     "pp_size": "pp_size",
     "layer_partition": "layer_partition",
     "dtype": "dtype",
+    "quantization": "quantization",
     "device": "device",
     "gpu_ids": "gpu_ids",
     "block_size": "block_size",
@@ -43,6 +44,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--layer-partition", default=None, help="layers per stage, e.g. 3,3,4 (default: even split)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="weight-only quantized linears: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 weights quantized (int8, int4), "
+        "none dequantizes every weight to --dtype, int8 quantizes every linear to int8 (default: auto)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--gpu-ids",

@@ -88,7 +88,7 @@ def test_fused_packed_linear_matches_separate(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(48, 32, bias=True), nn.Linear(48, 16, bias=False), nn.Linear(48, 8, bias=True)]
     layers = [lin.to(dtype) for lin in layers]
-    fused = fuse_linears(layers)
+    fused = fuse_linears(layers, dtype, torch.device("cpu"))
     assert isinstance(fused, Linear) and fused.out_features == 56
     assert fused.packed == onednn_packs(torch.device("cpu"), dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -22,6 +22,11 @@ import torch
 from live_server import ROOT, LiveServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.quantized import QuantLinear
+from ppserve.engine.offline import OfflineEngine
+from ppserve.scheduler.sampling_params import SamplingParams
+
 sys.path.insert(0, str(ROOT / "scripts"))
 import eval_perplexity
 
@@ -78,7 +83,8 @@ def reference(smollm2_gguf: Path) -> Reference:
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 5])
 def server(request: pytest.FixtureRequest, smollm2_gguf: Path) -> Iterator[LiveServer]:
-    srv = LiveServer(smollm2_gguf, "--pp-size", str(request.param), "--kv-cache-gb", "0.05")
+    # The float32 weights transformers runs (the demo's default keeps them quantized: see below).
+    srv = LiveServer(smollm2_gguf, "--pp-size", str(request.param), "--kv-cache-gb", "0.05", "--quantization", "none")
     yield srv
     assert srv.stop() == 0, "".join(srv.output)
 
@@ -135,7 +141,9 @@ def test_bfloat16_agrees_up_to_ties(smollm2_gguf: Path, reference: Reference) ->
     """In bfloat16, ppserve and transformers agree up to the first near-tie, where transformers'
     own logits rank the two tokens within the tolerance (as tests/test_model_exactness.py)."""
     hf = copy.deepcopy(reference.model).to(torch.bfloat16)  # type: ignore[arg-type]
-    server = LiveServer(smollm2_gguf, "--pp-size", "2", "--dtype", "bfloat16", "--kv-cache-gb", "0.05")
+    server = LiveServer(
+        smollm2_gguf, "--pp-size", "2", "--dtype", "bfloat16", "--kv-cache-gb", "0.05", "--quantization", "none"
+    )
     try:
         outs = _all(lambda ids: _generate(server, ids), reference.prompts)
     finally:
@@ -185,6 +193,29 @@ def test_prompt_logprobs_equal_transformers(server: LiveServer, reference: Refer
     theirs = eval_perplexity.reference_logprobs(smollm2_gguf, ids, reference.model)
     ppl_ours, ppl_theirs = eval_perplexity.perplexity(ours), eval_perplexity.perplexity(theirs)
     assert abs(ppl_ours - ppl_theirs) <= 1e-3 * ppl_theirs, (ppl_ours, ppl_theirs)
+
+
+def test_kept_quantized_demo(smollm2_gguf: Path, reference: Reference) -> None:
+    """The demo as it ships by default: its Q4_1 layers run as int4 and its Q8_0 head as int8.
+    Greedy replies are the same at PP 1, 2 and 3, and the shipped text's perplexity is within 1%
+    of the dequantized float32 model's (transformers)."""
+    replies = []
+    for pp in (1, 2, 3):
+        pipe = OfflineEngine(EngineConfig.create(smollm2_gguf, pp_size=pp, num_kv_blocks=256))
+        assert isinstance(pipe.executor.runners[-1].model.head, QuantLinear)
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        replies.append([g.token_ids for g in pipe.generate(reference.prompts[:4], params)])
+        pipe.close()
+    assert replies[0] == replies[1] == replies[2]
+    server = LiveServer(smollm2_gguf, "--pp-size", "2", "--kv-cache-gb", "0.05")
+    try:
+        text = eval_perplexity.TEXT.read_text()
+        ids = reference.tokenizer.encode(text, add_special_tokens=False)
+        ours = eval_perplexity.perplexity(eval_perplexity.server_logprobs(server.url, ids, server.api_key))
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+    theirs = eval_perplexity.perplexity(eval_perplexity.reference_logprobs(smollm2_gguf, ids, reference.model))
+    assert abs(ours - theirs) <= 0.01 * theirs, (ours, theirs)
 
 
 def test_generate_without_a_model_chats_with_the_demo(smollm2_gguf: Path) -> None:

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from ppserve.engine.model.cache_dir import cache_dir
 from ppserve.engine.model.file_hash import file_sha256
 from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.quantized import GGUF_KEPT, QuantWeight, from_gguf_blocks
 
 INFO_FILE = "gguf.json"
 PREPARED_VERSION = "v1"  # bump when what prepare_gguf or read_gguf_tensors writes changes
@@ -132,6 +133,24 @@ def read_gguf_tensors(
         tensors = {name: _dequantize(source, table[name], dtype) for name in table if _shard_of(name) == shard}
         _save_shard(tensors, path)
         yield from ((name, tensors[name]) for name in shard_names)
+
+
+def gguf_kept_quantized(model_dir: str | Path) -> set[str]:
+    """The tensors whose GGML type a linear can run as it is (engine/model/quantized.py)."""
+    return {name for name, entry in _info(Path(model_dir))["tensors"].items() if entry[0] in GGUF_KEPT}
+
+
+def read_gguf_quantized(model_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, QuantWeight]]:
+    """(name, weight) for the tensors `names`, kept in their quantized type (no cache: reading the
+    blocks is a reshuffle of bytes)."""
+    info = _info(Path(model_dir))
+    source = _map_source(info)
+    for name in names:
+        type_name, shape, offset, nbytes, heads = info["tensors"][name]
+        weight = from_gguf_blocks(type_name, source[offset : offset + nbytes], shape)
+        if heads:
+            weight = weight.rows(_unpermute(torch.arange(shape[0]), heads))
+        yield name, weight
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppserve.engine.model.quantized import QuantLinear, QuantWeight, concat, quantize_int8
+
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
 PACK_ROWS_HINT = 64
 PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -48,17 +50,28 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def fuse_linears(linears: Sequence[nn.Linear]) -> Linear:
-    """One Linear whose output is the given layers' outputs side by side (same input)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+def fuse_linears(
+    linears: Sequence[nn.Linear], dtype: torch.dtype, device: torch.device, int8: bool = False
+) -> Linear | QuantLinear:
+    """One linear whose output is the given layers' outputs side by side (same input).
+
+    A layer loaded as a quantized weight (its `quant` attribute, engine/model/weights.py) stays
+    quantized, and so does the group; `int8` quantizes float weights to int8 (--quantization int8)."""
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         bias = None
     else:  # a group mixing biased and unbiased layers gets zeros for the latter
         bias = torch.cat(
             [
-                b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                b.detach() if b is not None else torch.zeros(lin.out_features, dtype=dtype, device=device)
                 for lin, b in zip(linears, biases, strict=True)
             ]
         )
+    quants: list[QuantWeight | None] = [getattr(lin, "quant", None) for lin in linears]
+    if int8 or any(q is not None for q in quants):
+        ws = [
+            q if q is not None else quantize_int8(lin.weight.detach()) for lin, q in zip(linears, quants, strict=True)
+        ]
+        return QuantLinear(concat(ws), bias, dtype, device)
+    weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
     return Linear(weight.contiguous(), bias, onednn_packs(weight.device, weight.dtype))

@@ -21,6 +21,7 @@ from torch import nn
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from ppserve.engine.model.linear import Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
+from ppserve.engine.model.quantized import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -81,12 +82,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_sizes = [q_out, kv_out, kv_out]
-        self.qkv: Linear  # set by fuse()
-        self.out: Linear
+        self.qkv: Linear | QuantLinear  # set by fuse()
+        self.out: Linear | QuantLinear
 
-    def fuse(self) -> None:
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.out = fuse_linears([self.o_proj])
+    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8)
+        self.out = fuse_linears([self.o_proj], dtype, device, int8)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(
@@ -117,12 +118,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up: Linear  # set by fuse()
-        self.down: Linear
+        self.gate_up: Linear | QuantLinear  # set by fuse()
+        self.down: Linear | QuantLinear
 
-    def fuse(self) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
-        self.down = fuse_linears([self.down_proj])
+    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8)
+        self.down = fuse_linears([self.down_proj], dtype, device, int8)
         del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,16 +169,18 @@ class StageModel(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.windows = {cfg.sliding_windows[i] for i in layers}
-        self.head: Linear | None = None  # lm_head, set by fuse()
+        self.head: Linear | QuantLinear | None = None  # lm_head, set by fuse()
 
-    def fuse(self) -> None:
-        """After loading: fused, packed projections for the forward pass (see engine/model/linear.py)."""
+    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool = False) -> None:
+        """After loading: fused, packed projections for the forward pass (see engine/model/linear.py);
+        quantized ones where the checkpoint's weights are, or everywhere with `int8`
+        (engine/model/quantized.py)."""
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(dtype, device, int8)
+            layer.mlp.fuse(dtype, device, int8)
         if self.lm_head is not None:
-            self.head = fuse_linears([self.lm_head])
+            self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
 
     def forward(

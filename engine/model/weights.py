@@ -4,23 +4,31 @@ GGUF checkpoint (engine/model/gguf_checkpoint.py)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ppserve.engine.model.gguf_checkpoint import gguf_tensor_names, is_prepared_gguf, read_gguf_tensors
+from ppserve.engine.model.gguf_checkpoint import (
+    gguf_kept_quantized,
+    gguf_tensor_names,
+    is_prepared_gguf,
+    read_gguf_quantized,
+    read_gguf_tensors,
+)
 from ppserve.engine.model.model import StageModel
 from ppserve.engine.model.model_config import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_SOURCE = "model.embed_tokens.weight"
+_LINEAR = re.compile(r"(_proj|^lm_head)\.weight$")  # the weights a quantized linear can take
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, str]:
@@ -42,40 +50,54 @@ def checkpoint_files(model_dir: Path) -> dict[str, str]:
     raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def load_stage_weights(stage: StageModel, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+def load_stage_weights(
+    stage: StageModel, model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> None:
     """Fill `stage` (built on the meta device) with its tensors from the checkpoint.
 
     A missing tensor or one of the wrong shape is an error naming it. With tied embeddings the
     last stage reads `lm_head.weight` from the embedding (sharing the same tensor when the stage
-    also embeds).
+    also embeds). With `quantization` "auto", a GGUF's linear weights of a type a quantized linear
+    runs (engine/model/quantized.py) are kept so: each is set as its module's `quant` (the module's
+    float weight is never loaded) for `StageModel.fuse` to take.
     """
     model_dir = Path(model_dir)
     gguf = is_prepared_gguf(model_dir)
     where = {} if gguf else checkpoint_files(model_dir)
     available = gguf_tensor_names(model_dir) if gguf else set(where)
+    kept = gguf_kept_quantized(model_dir) if gguf and quantization == "auto" else set()
     tied = stage.cfg.tie_word_embeddings
     wanted = {name: p for name, p in stage.named_parameters(remove_duplicate=False)}
-    # source tensor name -> our parameter names that take it
+    # source tensor name -> our parameter names that take it, as floats or kept quantized
     sources: dict[str, list[str]] = defaultdict(list)
+    quantized: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
         src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in available else name
-        sources[src].append(name)
-    missing = sorted(src for src in sources if src not in available)
+        (quantized if src in kept and _LINEAR.search(name) else sources)[src].append(name)
+    missing = sorted(src for src in {*sources, *quantized} if src not in available)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConfigError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
+    for src, weight in read_gguf_quantized(model_dir, quantized) if quantized else ():
+        for name in quantized[src]:
+            _check_shape(src, weight.shape, name, wanted)
+            setattr(stage.get_submodule(name.rpartition(".")[0]), "quant", weight)  # noqa: B010 (not a Module's field)
     # One tensor at a time, straight to the device: the host never holds a stage's weights twice.
     tensors = read_gguf_tensors(model_dir, sources, dtype) if gguf else _read_safetensors(model_dir, where, sources)
     for src, tensor in tensors:
         names = sources[src]
         for name in names:
-            expected = tuple(wanted[name].shape)
-            if tuple(tensor.shape) != expected:
-                raise ConfigError(f"tensor {src} has shape {tuple(tensor.shape)}, expected {expected} for {name}")
+            _check_shape(src, tensor.shape, name, wanted)
         loaded = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
         for name in names:
             module_name, _, attr = name.rpartition(".")
             setattr(stage.get_submodule(module_name), attr, loaded)
+
+
+def _check_shape(src: str, shape: Sequence[int], name: str, wanted: dict[str, torch.nn.Parameter]) -> None:
+    expected = tuple(wanted[name].shape)
+    if tuple(shape) != expected:
+        raise ConfigError(f"tensor {src} has shape {tuple(shape)}, expected {expected} for {name}")
 
 
 def _read_safetensors(

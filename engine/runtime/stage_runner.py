@@ -36,9 +36,9 @@ class StageRunner:
         mc = config.model_config
         with torch.device("meta"):
             model = StageModel(mc, self.layers, self.first, self.last)
-        load_stage_weights(model, config.model, config.torch_dtype, self.device)
+        load_stage_weights(model, config.model, config.torch_dtype, self.device, config.quantization)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
-        model.fuse()
+        model.fuse(config.torch_dtype, self.device, int8=config.quantization == "int8")
         self.model = model.eval()
         self.gather_buffers = GatherBuffers()
         self.tables = BlockTables()  # each request's KV blocks, kept between plans
