@@ -79,7 +79,7 @@ class EngineConfig:
     # pickled to the stages with the rest, so that no process reads the environment later.
     disagg_faults: DisaggFaults | None = None  # injected PD faults (PPSERVE_DISAGG_FAULTS)
     pin_stages: bool = False  # each stage on its own cores (PPSERVE_PIN_STAGES=1; engine/runtime/cpu_affinity.py)
-    decode_kernel: bool = True  # the CPU decode-attention kernel (PPSERVE_DECODE_KERNEL=0: SDPA)
+    cpu_kernels: bool = True  # decode attention and fused norm, RoPE, SiLU (PPSERVE_CPU_KERNELS=0: torch ops)
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
     # Debug: stages report every event-loop callback that uses more CPU than this
     # (PPSERVE_DEBUG_LOOP_MS; engine/runtime/loop_watch.py).

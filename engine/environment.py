@@ -22,7 +22,7 @@ from ppserve.engine.model.model_config import ConfigError
 
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 PIN_STAGES_ENV = "PPSERVE_PIN_STAGES"
-DECODE_KERNEL_ENV = "PPSERVE_DECODE_KERNEL"
+CPU_KERNELS_ENV = "PPSERVE_CPU_KERNELS"
 LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"
 
 
@@ -49,8 +49,8 @@ READERS: dict[str, Callable[[], Any]] = {
     "chunk_smooth": lambda: _number(SMOOTH_ENV),
     # Opt-in: on a two-core machine pinning measured within the noise (engine/runtime/cpu_affinity.py).
     "pin_stages": lambda: os.environ.get(PIN_STAGES_ENV, "0") == "1",
-    # On unless switched off (then decode attention uses SDPA; engine/model/decode_attention.py).
-    "decode_kernel": lambda: os.environ.get(DECODE_KERNEL_ENV, "1") != "0",
+    # On unless switched off (then the forward pass runs torch ops only; engine/model/cpu_kernels.py).
+    "cpu_kernels": lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0",
     "cache_dir": lambda: str(cache_dir()),
     "disagg_faults": DisaggFaults.from_env,  # malformed: a ValueError before anything starts
     # Tests: stages report event-loop callbacks over this many ms of CPU (engine/runtime/loop_watch.py).

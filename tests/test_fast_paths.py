@@ -1,5 +1,6 @@
-"""The CPU fast paths against the plain torch they replace: the decode-attention kernel over the
-paged cache, and fused, oneDNN-packed linear layers."""
+"""The CPU fast paths against the plain torch they replace: the kernels of engine/model/cpu_kernels.cpp
+(decode attention over the paged cache, residual add with RMSNorm, SiLU * up, RoPE with the cache
+write), and fused, oneDNN-packed linear layers."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppserve.engine.model import attention, decode_attention
+from ppserve.engine.model import attention, cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention
 from ppserve.engine.model.linear import Linear, fuse_linears, onednn_packs
+from ppserve.engine.model.model import RMSNorm, apply_rope, rope_inv_freq
+from ppserve.engine.model.model_config import RopeConfig
 
-pytestmark = pytest.mark.skipif(decode_attention.load() is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale, window):  # type: ignore[no-untyped-def]
@@ -56,7 +59,7 @@ def test_kernel_matches_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, head
         tables[b, : -(-n // block_size)] = torch.tensor(rng.sample(range(num_blocks), -(-n // block_size)))
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    got = decode_attention.decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
     want = reference(q, k_cache, v_cache, tables, lens, scale, window)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -96,3 +99,73 @@ def test_fused_packed_linear_matches_separate(dtype: torch.dtype) -> None:
         x = torch.randn(rows, 48).to(dtype)
         want = torch.cat([lin(x) for lin in layers], dim=-1)
         torch.testing.assert_close(fused(x).float(), want.float(), atol=tol, rtol=tol)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference in units of the last place of `want`'s dtype."""
+    eps = torch.finfo(want.dtype).eps
+    return float(((got.float() - want.float()).abs() / (want.float().abs() * eps).clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_and_norm_kernel_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    """The residual add is the same IEEE add (bitwise); the norm differs only in the order of its
+    sum of squares and in its rsqrt, a few float32 ulps, which bfloat16's rounding hides or turns
+    into at most one bfloat16 ulp."""
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5).requires_grad_(False)
+    norm.weight.data = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    h = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    add = torch.randn(rows, 576, generator=gen).to(dtype)
+    h_torch, h_fast = h.clone(), h.clone()
+    want = norm.add_and_norm(h_torch, add)
+    norm.fast = True
+    got = norm.add_and_norm(h_fast, add)
+    assert torch.equal(h_fast, h_torch)
+    assert got.dtype == dtype and _ulps(got, want) <= (8 if dtype == torch.float32 else 1.01)
+    assert torch.equal(norm.add_and_norm(h_fast.clone(), None), got)  # without the add: the same norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_matches_torch(dtype: torch.dtype) -> None:
+    """SiLU's exp is glibc's vector expf, not torch's: a few float32 ulps apart, at most one in
+    bfloat16; the product is then rounded as torch rounds it."""
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.dtype == dtype and _ulps(got, want) <= (8 if dtype == torch.float32 else 1.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv_kernel_equals_torch(dtype: torch.dtype, qk_norm: bool) -> None:
+    """RoPE with each product and sum rounded as torch's ops round them, and no fused multiply-add:
+    bitwise equal, in place on views of the fused qkv output (or on q/k-normed copies), with k and v
+    at their cache slots."""
+    gen = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, head_dim = 5, 9, 3, 64
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 17, 3, 250, 1024])
+    inv_freq = rope_inv_freq(RopeConfig(theta=100000.0), head_dim)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin[..., : head_dim // 2].neg_()
+    slots = torch.tensor([11, 2, 30, 7, 19])
+    caches = torch.zeros(2, 2, 8, 4, kv_heads, head_dim, dtype=dtype)  # [path, k/v, blocks, block, heads, dim]
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+        return (q * 1.5, k * 0.5, v) if qk_norm else (q, k, v)  # copies, as q/k norms make
+
+    q, k, v = split(qkv.clone())
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    caches[0, 0].view(-1, kv_heads, head_dim)[slots] = want_k
+    caches[0, 1].view(-1, kv_heads, head_dim)[slots] = v
+    q, k, v = split(qkv.clone())
+    cpu_kernels.rope_write_kv(q, k, v, cos, sin, slots, caches[1, 0], caches[1, 1])
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(caches[0], caches[1])

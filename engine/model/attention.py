@@ -7,7 +7,7 @@ the case num_new == 1; a prefill chunk after an existing prefix is the general c
 knows the difference except for batching.
 
 Prefill chunks gather their request's keys/values from its blocks and call torch SDPA, one call
-per chunk. Decode tokens (one query each) go to the CPU kernel of engine/model/decode_attention.py,
+per chunk. Decode tokens (one query each) go to the CPU kernel of engine/model/cpu_kernels.py,
 which reads the cache in place; elsewhere (CUDA, or no compiler) they are batched into one SDPA
 call over gathered keys, padded to the longest context and masked.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ppserve.engine.model import decode_attention as kernel
+from ppserve.engine.model import cpu_kernels as kernel
 
 
 class SeqSpan(Protocol):

@@ -23,6 +23,7 @@ from ppserve.engine.model.quantized import QuantLinear, QuantWeight, concat, qua
 
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
 PACK_ROWS_HINT = 64
+MIN_ROWS = 1
 PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
@@ -46,6 +47,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
+            rows = x.shape[0]
+            if rows < MIN_ROWS:
+                x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from ppserve.engine.model.linear import Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
@@ -29,12 +30,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast = False  # the CPU kernel (engine/model/cpu_kernels.py); set by StageModel.fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the model dtype (as transformers does).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        """`h += add` in place (a residual connection), then the norm of h."""
+        if self.fast:
+            return cpu_kernels.rms_norm(h, add, self.weight, self.eps)
+        if add is not None:
+            h += add
+        return self(h)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -84,10 +94,12 @@ class Attention(nn.Module):
         self.qkv_sizes = [q_out, kv_out, kv_out]
         self.qkv: Linear | QuantLinear  # set by fuse()
         self.out: Linear | QuantLinear
+        self.fast = False  # RoPE and the cache write by the CPU kernel; set by fuse()
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8)
         self.out = fuse_linears([self.o_proj], dtype, device, int8)
+        self.fast = cpu_kernels.available(device, dtype)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(
@@ -106,8 +118,11 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv[0], kv[1], k, v, md)
+        if self.fast:
+            cpu_kernels.rope_write_kv(q, k, v, cos, sin, md.slot_mapping, kv[0], kv[1])
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(kv[0], kv[1], k, v, md)
         out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window)
         return self.out(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -120,14 +135,19 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: Linear | QuantLinear  # set by fuse()
         self.down: Linear | QuantLinear
+        self.fast = False  # SiLU(gate) * up by the CPU kernel; set by fuse()
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8)
         self.down = fuse_linears([self.down_proj], dtype, device, int8)
+        self.fast = cpu_kernels.available(device, dtype)
         del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.fast:
+            return self.down(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -140,10 +160,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h: the residual stream, updated in place: `pending` (the previous layer's MLP output,
+        None for the stage's first layer) and this layer's attention output are added to it, each
+        in one pass with the norm that follows. Returns this layer's MLP output, which the next
+        layer adds (or the stage, after its last layer)."""
+        attn = self.self_attn(self.input_layernorm.add_and_norm(h, pending), cos, sin, kv, md)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(h, attn))
 
 
 class Backbone(nn.Module):
@@ -175,10 +205,12 @@ class StageModel(nn.Module):
         """After loading: fused, packed projections for the forward pass (see engine/model/linear.py);
         quantized ones where the checkpoint's weights are, or everywhere with `int8`
         (engine/model/quantized.py)."""
+        fast = cpu_kernels.available(device, dtype)
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse(dtype, device, int8)
             layer.mlp.fuse(dtype, device, int8)
+            layer.input_layernorm.fast = layer.post_attention_layernorm.fast = fast
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
@@ -193,14 +225,18 @@ class StageModel(nn.Module):
         """inputs: token ids [num_tokens] on the first stage, else hidden [num_tokens, hidden].
         kv_cache: [num_stage_layers, 2, num_blocks, block_size, kv_heads, head_dim].
         Returns hidden [num_tokens, hidden] (before the final norm on the last stage)."""
-        h = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        # The residual stream, which the layers update in place: never the caller's tensor.
+        h = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs.clone()
         # RoPE tables in float32, then cast (as transformers does): [num_tokens, 1, head_dim]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         sin[..., : sin.shape[-1] // 2].neg_()  # signed for apply_rope
+        pending = None
         for local, layer in enumerate(self.model.layers.values()):
-            h = layer(h, cos, sin, kv_cache[local], md)
+            pending = layer(h, pending, cos, sin, kv_cache[local], md)
+        if pending is not None:
+            h += pending
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,7 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.weight, GROUP, self.scales)
-            y = y[:, : self.out_features]
+            if y.shape[1] != self.out_features:  # the padding rows
+                y = y[:, : self.out_features].contiguous()
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias

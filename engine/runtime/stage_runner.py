@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.model import decode_attention
+from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, padded_tables
 from ppserve.engine.model.kv_cache import allocate_kv_cache
 from ppserve.engine.model.model import StageModel, rope_inv_freq
@@ -32,7 +32,7 @@ class StageRunner:
         self.first = stage == 0
         self.last = stage == config.pp_size - 1
         self.device = torch.device(config.device)
-        decode_attention.configure(config.decode_kernel, config.cache_dir)
+        cpu_kernels.configure(config.cpu_kernels, config.cache_dir)
         mc = config.model_config
         with torch.device("meta"):
             model = StageModel(mc, self.layers, self.first, self.last)

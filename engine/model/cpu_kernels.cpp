@@ -1,0 +1,225 @@
+// The CPU kernels of a stage's forward pass, built at first use by engine/model/cpu_kernels.py
+// (g++ -O3 -march=native -fopenmp, with float reassociation allowed but NaN and infinity kept) and
+// called through ctypes. OpenMP here is torch's own runtime (the same libgomp.so.1, already
+// loaded), so the work is split over the calling thread's torch.set_num_threads team.
+//
+// - decode_attention: one query token per request, straight from the paged KV cache; keys and
+//   values are read where they lie in their blocks, never gathered into a new tensor.
+// - rms_norm: the residual add and RMSNorm of a decoder layer in one pass.
+// - silu_mul: the MLP's SiLU(gate) * up.
+// - rope_write_kv: RoPE on q and k in place of the copy, k and v stored into the cache.
+// Each replaces several torch ops (and as many dispatches and passes over memory) per layer, and
+// rounds where those ops round, so results stay those of the torch code they replace up to the
+// order of a sum (tests/test_fast_paths.py).
+//
+// Decode attention's shapes (row-major, contiguous):
+//   q, out:   [batch, heads, head_dim]
+//   k, v:     [num_blocks, block_size, kv_heads, head_dim]   (one layer's cache)
+//   tables:   [batch, max_blocks] int64     lens: [batch] int64 (keys per request, >= 1)
+// A query at position lens[b] - 1 sees keys [lo, lens[b]) with lo = max(0, lens[b] - window)
+// (window 0: no window), as transformers' causal and sliding-window masks do.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// glibc's vector math library has SIMD versions of expf; declaring them lets `omp simd` loops
+// call them (GCC declares them itself only under -ffast-math, which would also drop NaN/Inf).
+extern "C" float expf(float) __attribute__((__simd__("notinbranch")));
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+// The probabilities are rounded to the cache's type before they weight the values, as torch's
+// flash attention does for reduced precision (its P @ V is a GEMM in that type); the softmax's
+// sum stays in float. This keeps bfloat16 results close to what transformers computes.
+template <typename T>
+float round_as(float x) {
+  T r;
+  store(&r, x);
+  return to_float(r);
+}
+
+template <typename T>
+void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out,
+                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, float scale, int64_t window) {
+  const int64_t group = heads / kv_heads;  // query heads per kv head
+  const int64_t token_stride = kv_heads * head_dim;
+  // One task per request and kv head, so that even one request keeps every thread busy; a
+  // task reads its head's keys and values once for all the query heads that share them.
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < batch * kv_heads; ++task) {
+    const int64_t b = task / kv_heads, g = task % kv_heads;
+    const int64_t len = lens[b];
+    const int64_t lo = window > 0 && len > window ? len - window : 0;
+    const int64_t n = len - lo;
+    const int64_t* table = tables + b * max_blocks;
+    // qf: [group, head_dim] queries in float; scores: [group, n]; acc: [group, head_dim]
+    thread_local std::vector<float> qf, scores, acc;
+    qf.resize(group * head_dim);
+    scores.resize(group * n);
+    acc.assign(group * head_dim, 0.0f);
+    const T* qb = q + (b * heads + g * group) * head_dim;
+    for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qb[i]);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = lo + t;
+      const T* kp = k + (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qh = qf.data() + j * head_dim;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(kp[d]);
+        scores[j * n + t] = s * scale;
+      }
+    }
+    float denom[64];  // heads per kv head: at most 64 (checked by the caller)
+    for (int64_t j = 0; j < group; ++j) {  // softmax over t
+      float* s = scores.data() + j * n;
+      float m = s[0];
+      for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+      }
+      denom[j] = sum;
+    }
+    for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] * v_t
+      const int64_t pos = lo + t;
+      const T* vp = v + (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+      for (int64_t j = 0; j < group; ++j) {
+        const float p = round_as<T>(scores[j * n + t]);
+        float* a = acc.data() + j * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vp[d]);
+      }
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      const float inv = 1.0f / denom[j];
+      T* o = out + (b * heads + g * group + j) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) store(o + d, acc[j * head_dim + d] * inv);
+    }
+  }
+}
+
+// Elementwise work is split over threads only when there is enough of it to pay for waking them.
+constexpr int64_t kParallelElements = 1 << 15;
+
+// h += add (when given, rounded to T as torch's h + a), then out = weight * rmsnorm(h): the norm
+// in float, rounded to T before the weight multiplies it (as transformers' LlamaRMSNorm).
+template <typename T>
+void rms_norm(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* x = h + r * dim;
+    if (add != nullptr) {
+      const T* a = add + r * dim;
+      for (int64_t i = 0; i < dim; ++i) store(x + i, to_float(x[i]) + to_float(a[i]));
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; ++i) sum += to_float(x[i]) * to_float(x[i]);
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    T* o = out + r * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) store(o + i, to_float(weight[i]) * round_as<T>(to_float(x[i]) * inv));
+  }
+}
+
+// out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], silu rounded to T first (as F.silu(g) * u).
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
+#pragma omp parallel for if (rows * dim >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * dim;
+    const T* u = g + dim;
+    T* o = out + r * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) {
+      const float x = to_float(g[i]);
+      store(o + i, round_as<T>(x / (1.0f + expf(-x))) * to_float(u[i]));
+    }
+  }
+}
+
+// x * cos + swap(x) * sin with swap(x) = (x2, x1) and sin's first half negated (see
+// engine/model/model.py's apply_rope), each product and the sum rounded to T; no fused
+// multiply-add, so that float32 results are exactly the torch ops'.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const float a = round_as<T>(x1 * to_float(cos[i])), b = round_as<T>(x2 * to_float(sin[i]));
+    const float c = round_as<T>(x2 * to_float(cos[i + half])), d = round_as<T>(x1 * to_float(sin[i + half]));
+    store(x + i, a + b);
+    store(x + i + half, c + d);
+  }
+}
+
+// RoPE on q ([n, heads, head_dim] rows `q_stride` apart) in place, and on k likewise; then k and v
+// stored at their cache slots (caches: [slots, kv_heads, head_dim]). cos, sin: [n, head_dim].
+template <typename T>
+void rope_write_kv(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride, const T* cos,
+                   const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for if (n * (heads + kv_heads) * head_dim >= kParallelElements)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* c = cos + t * head_dim;
+    const T* s = sin + t * head_dim;
+    for (int64_t h = 0; h < heads; ++h) rotate(q + t * q_stride + h * head_dim, c, s, half);
+    T* kc = k_cache + slots[t] * kv_heads * head_dim;
+    T* vc = v_cache + slots[t] * kv_heads * head_dim;
+    for (int64_t h = 0; h < kv_heads; ++h) rotate(k + t * k_stride + h * head_dim, c, s, half);
+    std::memcpy(kc, k + t * k_stride, kv_heads * head_dim * sizeof(T));
+    std::memcpy(vc, v + t * v_stride, kv_heads * head_dim * sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define PPSERVE_KERNELS(SUFFIX, T)                                                                                    \
+  void decode_attention_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens,      \
+                                 T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
+                                 int64_t block_size, int64_t max_blocks, float scale, int64_t window) {              \
+    decode_attention(q, k, v, tables, lens, out, batch, heads, kv_heads, head_dim, block_size, max_blocks, scale,   \
+                     window);                                                                                         \
+  }                                                                                                                   \
+  void rms_norm_##SUFFIX(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {         \
+    rms_norm(h, add, weight, out, rows, dim, eps);                                                                    \
+  }                                                                                                                   \
+  void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim) { silu_mul(gate_up, out, rows, dim); }  \
+  void rope_write_kv_##SUFFIX(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride,           \
+                              const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n,  \
+                              int64_t heads, int64_t kv_heads, int64_t head_dim) {                                   \
+    rope_write_kv(q, q_stride, k, k_stride, v, v_stride, cos, sin, slots, k_cache, v_cache, n, heads, kv_heads,      \
+                  head_dim);                                                                                          \
+  }
+
+PPSERVE_KERNELS(f32, float)
+PPSERVE_KERNELS(bf16, uint16_t)
+
+}  // extern "C"

@@ -1,0 +1,214 @@
+"""The CPU kernels of the forward pass (cpu_kernels.cpp): built once per machine, loaded with ctypes.
+
+- Decode attention: SDPA needs each request's keys and values gathered into one padded tensor
+  first, and its flash kernel is tuned for many queries; for one query per request the gather
+  and the kernel cost several times what reading the cache once does (scripts/profile_step.py).
+  The kernel reads the cache in place.
+- The glue of a decoder layer: residual add with RMSNorm, SiLU(gate) * up, RoPE on q and k with
+  the KV cache write. In torch these are some twenty ops per layer, each a dispatch and a pass
+  over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
+
+The library is compiled with the system's g++ at the first stage start on a machine (a few
+seconds) into `kernels/` of the cache directory (engine/model/cache_dir.py: ~/.cache/ppserve by
+default), keyed by the source, the compiler and the CPU's flags, and loaded from there
+afterwards. Where there is no compiler, or the build fails, the model runs the torch ops (and
+SDPA), with one warning; so it does on other devices and dtypes than float32 and bfloat16.
+
+Whether to use it and where to build it come from the engine config (`cpu_kernels`,
+`cache_dir`), which each stage hands over through `configure` before its first step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ppserve.engine.model.cache_dir import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix
+_PTR, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ARGTYPES = {
+    "decode_attention": [_PTR] * 6 + [_INT64] * 6 + [_FLOAT, _INT64],
+    "rms_norm": [_PTR] * 4 + [_INT64] * 2 + [_FLOAT],
+    "silu_mul": [_PTR] * 2 + [_INT64] * 2,
+    "rope_write_kv": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 4,
+}
+# Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
+# by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
+# vector expf.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+# (enabled, cache directory) of the config this process runs; None: not configured (a script that
+# drives the model directly), then on. A cache directory of "" is the default one.
+_settings: tuple[bool, str] | None = None
+
+
+def configure(enabled: bool, cache: str) -> None:
+    """Take the engine config's settings (a process runs the stages of one config)."""
+    global _settings
+    _settings = (enabled, cache)
+
+
+def load() -> ctypes.CDLL | None:
+    """The built kernel library, or None where it is switched off or cannot be built (then SDPA
+    is used)."""
+    enabled, cache = _settings or (True, "")
+    return _load(cache or str(cache_dir())) if enabled else None
+
+
+@functools.cache
+def _load(cache: str) -> ctypes.CDLL | None:
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler found: the forward pass runs torch ops only (slower on the CPU)")
+        return None
+    cmd = [cxx, *FLAGS]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(" ".join([SOURCE.read_text(), version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
+        lib = Path(cache) / "kernels" / f"cpu_kernels-{key}.so"
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            # Built under a temporary name and renamed: stages starting at once each build, and
+            # the rename makes whichever finishes first the one the others load.
+            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+                out = Path(tmp) / lib.name
+                subprocess.run(
+                    [*cmd, str(SOURCE), "-o", str(out), "-lmvec"], capture_output=True, text=True, check=True
+                )
+                os.replace(out, lib)
+        dll = ctypes.CDLL(str(lib))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
+        log.warning("cannot build the CPU kernels (%s): the forward pass runs torch ops only", *detail or ["?"])
+        return None
+    for name, argtypes in _ARGTYPES.items():
+        for suffix in KERNEL_DTYPES.values():
+            fn = getattr(dll, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return dll
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and load() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q: [batch, heads, head_dim] (one query per request) -> [batch, heads, head_dim].
+
+    caches: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [batch, max_blocks] int64;
+    context_lens: [batch] int64, keys per request (the query's position + 1).
+    """
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert heads // kv_heads <= 64 and q.dtype == k_cache.dtype
+    _kernel("decode_attention", q.dtype)(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        window or 0,
+    )
+    return out
+
+
+def rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`h += add` in place (when given), then RMSNorm(h) * weight as a new tensor. h, add: [rows, dim]
+    contiguous."""
+    out = torch.empty_like(h)
+    rows, dim = h.shape
+    assert h.is_contiguous() and (add is None or (add.is_contiguous() and add.shape == h.shape))
+    ptr = None if add is None else add.data_ptr()
+    _kernel("rms_norm", h.dtype)(h.data_ptr(), ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * dim] contiguous -> SiLU(gate) * up: [rows, dim]."""
+    rows, width = gate_up.shape
+    assert gate_up.is_contiguous()
+    out = gate_up.new_empty(rows, width // 2)
+    _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """RoPE on q and k in place, then k and v into their cache slots.
+
+    q: [n, heads, head_dim], k, v: [n, kv_heads, head_dim], each with rows of contiguous heads (views
+    of the fused qkv output are); cos, sin: [n, 1, head_dim] contiguous, sin signed as apply_rope
+    takes it; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+    n, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    for x in (q, k, v):
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads of a row must be contiguous"
+    assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    _kernel("rope_write_kv", q.dtype)(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        n, heads, kv_heads, head_dim,
+    )  # fmt: skip
+
+
+def _kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
+    dll = load()
+    assert dll is not None, "call only where available()"
+    fn: Callable[..., None] = getattr(dll, f"{name}_{KERNEL_DTYPES[dtype]}")
+    return fn
