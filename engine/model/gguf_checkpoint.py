@@ -60,6 +60,7 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # general.file_type -> the checkpoint's dtype, which --dtype auto takes on GPUs (CPUs run float32).
+_PLAIN_TYPES = ("F32", "F16", "BF16")  # read as they are: a plain conversion
 _CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # the quantized types: bfloat16
 
 
@@ -116,21 +117,29 @@ def read_gguf_tensors(
         wanted[_shard_of(name)].append(name)
     shard_dir = model_dir / str(dtype).removeprefix("torch.")
     source: np.memmap | None = None
+    announced = False
     for shard, shard_names in sorted(wanted.items()):
         path = shard_dir / f"{shard}.safetensors"
+        in_shard = [name for name in table if _shard_of(name) == shard]
+        if all(table[n][0] in _PLAIN_TYPES for n in shard_names) and any(table[n][0] in GGUF_KEPT for n in in_shard):
+            # A layer whose linears run quantized: its norms are read as they are, nothing cached.
+            source = source if source is not None else _map_source(info)
+            yield from ((name, _dequantize(source, table[name], dtype)) for name in shard_names)
+            continue
         if path.is_file():
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 yield from ((name, f.get_tensor(name)) for name in shard_names)
             continue
-        if source is None:
-            todo = sum(not (shard_dir / f"{name}.safetensors").is_file() for name in wanted)
+        if not announced:
+            todo = sum(not (shard_dir / f"{shard}.safetensors").is_file() for shard in wanted)
             print(
                 f"ppserve: dequantizing {todo} layer group(s) of {Path(info['source']).name} to {dtype} (once)",
                 file=sys.stderr,
                 flush=True,
             )
-            source = _map_source(info)
-        tensors = {name: _dequantize(source, table[name], dtype) for name in table if _shard_of(name) == shard}
+            announced = True
+        source = source if source is not None else _map_source(info)
+        tensors = {name: _dequantize(source, table[name], dtype) for name in in_shard}
         _save_shard(tensors, path)
         yield from ((name, tensors[name]) for name in shard_names)
 

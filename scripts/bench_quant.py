@@ -1,0 +1,121 @@
+"""Weight-only quantized GEMMs against the packed float linears, on a model's own layer shapes.
+
+For each row count M (1: batch-1 decode, 32: 32 streams decoding, 256: a prefill chunk), times
+one pass through every linear of every layer (q/k/v, o, gate/up, down: 30 layers of SmolLM2's
+shapes by default, so that the weights do not fit in the caches, as in a real step), and the
+head, for:
+- float32 and bfloat16, packed for oneDNN (engine/model/linear.py), as the engine runs them;
+- int8 per row (`_weight_int8pack_mm`) and int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`),
+  through engine/model/quantized.py's QuantLinear with a float32 model's activations (converted
+  to bfloat16 and back, as the engine does).
+
+    .venv/bin/python scripts/bench_quant.py [--hidden 576 --intermediate 1536 --layers 30 ...]
+
+Writes benchmarks/results/quant_kernels.json: milliseconds per pass (median of --repeats), and
+each quantized kernel's time relative to the float32 and bfloat16 packed linears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_record import write_result  # noqa: E402
+
+from ppserve.engine.model.linear import Linear, onednn_packs  # noqa: E402
+from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, quantize_int8  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def int4_weight(w: torch.Tensor) -> QuantWeight:
+    """w in int4 groups of 32: asymmetric, min to max over each group (as Q4_1 does)."""
+    out, inp = w.shape
+    groups = w.view(out, inp // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, inp)
+    return QuantWeight(4, q, scale, lo + 8 * scale)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--rows", default="1,32,256", help="row counts M to time")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    head_dim = a.hidden // a.heads
+    qkv = (a.heads + 2 * a.kv_heads) * head_dim
+    shapes = [(qkv, a.hidden), (a.hidden, a.heads * head_dim), (2 * a.intermediate, a.hidden)]
+    shapes += [(a.hidden, a.intermediate)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for _ in range(a.layers) for n, k in shapes]
+    head = torch.randn(a.vocab, a.hidden, generator=gen) * 0.05
+
+    def make(kind: str, w: torch.Tensor) -> torch.nn.Module:
+        if kind in ("float32", "bfloat16"):
+            dtype = getattr(torch, kind)
+            return Linear(w.to(dtype), None, onednn_packs(CPU, dtype))
+        qw = quantize_int8(w) if kind == "int8" else int4_weight(w)
+        return QuantLinear(qw, None, torch.float32, CPU)
+
+    def time_kind(kind: str) -> dict[str, dict[str, float]]:
+        layers = [make(kind, w) for w in weights]
+        head_layer = make(kind, head)
+        dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+        times = {}
+        for m in rows:
+            xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
+            with torch.inference_mode():
+                layers_ms = timed(lambda: [lin(xs[lin.in_features]) for lin in layers], a.repeats)  # noqa: B023
+                head_ms = timed(lambda: head_layer(xs[a.hidden]), a.repeats)  # noqa: B023
+            times[str(m)] = {"layers_ms": layers_ms, "head_ms": head_ms}
+            print(f"{kind:9s} M={m:4d}: layers {layers_ms:8.2f} ms, head {head_ms:7.2f} ms", flush=True)
+        return times
+
+    rows = [int(r) for r in a.rows.split(",")]
+    results = {kind: time_kind(kind) for kind in ("float32", "bfloat16", "int8", "int4")}
+    ratios = {
+        f"{q}_vs_{f}": {
+            m: (results[q][m]["layers_ms"] + results[q][m]["head_ms"])
+            / (results[f][m]["layers_ms"] + results[f][m]["head_ms"])
+            for m in results[q]
+        }
+        for q in ("int8", "int4")
+        for f in ("float32", "bfloat16")
+    }
+    out = ROOT / "benchmarks/results/quant_kernels.json"
+    shape = {"hidden": a.hidden, "intermediate": a.intermediate, "layers": a.layers, "heads": a.heads}
+    shape |= {"kv_heads": a.kv_heads, "vocab": a.vocab}
+    record = {"benchmark": "quant_kernels", "shape": shape, "threads": a.threads, "ms": results}
+    write_result(out, record | {"time_ratio": ratios}, a)
+
+
+if __name__ == "__main__":
+    main()
