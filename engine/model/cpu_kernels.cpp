@@ -19,10 +19,15 @@
 // A query at position lens[b] - 1 sees keys [lo, lens[b]) with lo = max(0, lens[b] - window)
 // (window 0: no window), as transformers' causal and sliding-window masks do.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // glibc's vector math library has SIMD versions of expf; declaring them lets `omp simd` loops
 // call them (GCC declares them itself only under -ffast-math, which would also drop NaN/Inf).
@@ -59,6 +64,59 @@ float round_as(float x) {
   return to_float(r);
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The two loops over keys of a task with head_dim = 16 * NV, in registers: a token's key or value
+// is loaded once for a block of JB query heads, and every dot product and accumulator is a
+// register, so that consecutive tokens' work overlaps (the generic loops below wait on each dot
+// product's sum). The sums are the same ones in another order.
+template <typename T, int NV>
+void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n, float scale, float* scores) {
+  constexpr int JB = 16 / NV;  // JB * NV query registers
+  for (int64_t j0 = 0; j0 < group; j0 += JB) {
+    const int64_t jn = std::min<int64_t>(JB, group - j0);
+    __m512 qv[JB][NV];
+    for (int j = 0; j < JB; ++j)
+      for (int i = 0; i < NV; ++i) qv[j][i] = j < jn ? _mm512_loadu_ps(qf + (j0 + j) * 16 * NV + 16 * i) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16(keys[t] + 16 * i);
+      for (int j = 0; j < JB; ++j) {
+        __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+        for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[j][i], kv[i], acc);
+        if (j < jn) scores[(j0 + j) * n + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+}
+
+template <typename T, int NV>
+void values_simd(const float* probs, int64_t group, const T* const* values, int64_t n, float* acc_out) {
+  constexpr int JB = 16 / NV;  // JB * NV accumulator registers
+  for (int64_t j0 = 0; j0 < group; j0 += JB) {
+    const int64_t jn = std::min<int64_t>(JB, group - j0);
+    __m512 acc[JB][NV];
+    for (int j = 0; j < JB; ++j)
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(values[t] + 16 * i);
+      for (int j = 0; j < JB; ++j) {
+        const __m512 p = _mm512_set1_ps(j < jn ? probs[(j0 + j) * n + t] : 0.0f);
+        for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_fmadd_ps(p, vv[i], acc[j][i]);
+      }
+    }
+    for (int j = 0; j < jn; ++j)
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + (j0 + j) * 16 * NV + 16 * i, acc[j][i]);
+  }
+}
+#endif
+
 template <typename T>
 void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -74,22 +132,39 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
     const int64_t lo = window > 0 && len > window ? len - window : 0;
     const int64_t n = len - lo;
     const int64_t* table = tables + b * max_blocks;
-    // qf: [group, head_dim] queries in float; scores: [group, n]; acc: [group, head_dim]
+    // qf: [group, head_dim] queries in float; scores: [group, n]; acc: [group, head_dim];
+    // keys, values: where each token's are
     thread_local std::vector<float> qf, scores, acc;
+    thread_local std::vector<const T*> keys, values;
     qf.resize(group * head_dim);
     scores.resize(group * n);
     acc.assign(group * head_dim, 0.0f);
+    keys.resize(n);
+    values.resize(n);
     const T* qb = q + (b * heads + g * group) * head_dim;
     for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qb[i]);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = lo + t;
-      const T* kp = k + (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
-      for (int64_t j = 0; j < group; ++j) {
-        const float* qh = qf.data() + j * head_dim;
-        float s = 0.0f;
+      const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+      keys[t] = k + offset;
+      values[t] = v + offset;
+    }
+    bool done = false;
+#if defined(__AVX512F__)
+    if (head_dim == 64 || head_dim == 128) {
+      (head_dim == 64 ? scores_simd<T, 4> : scores_simd<T, 8>)(qf.data(), group, keys.data(), n, scale, scores.data());
+      done = true;
+    }
+#endif
+    if (!done) {
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qh = qf.data() + j * head_dim;
+          float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(kp[d]);
-        scores[j * n + t] = s * scale;
+          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(keys[t][d]);
+          scores[j * n + t] = s * scale;
+        }
       }
     }
     float denom[64];  // heads per kv head: at most 64 (checked by the caller)
@@ -104,15 +179,23 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
         sum += s[t];
       }
       denom[j] = sum;
+      for (int64_t t = 0; t < n; ++t) s[t] = round_as<T>(s[t]);
     }
-    for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] * v_t
-      const int64_t pos = lo + t;
-      const T* vp = v + (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
-      for (int64_t j = 0; j < group; ++j) {
-        const float p = round_as<T>(scores[j * n + t]);
-        float* a = acc.data() + j * head_dim;
+    done = false;
+#if defined(__AVX512F__)
+    if (head_dim == 64 || head_dim == 128) {
+      (head_dim == 64 ? values_simd<T, 4> : values_simd<T, 8>)(scores.data(), group, values.data(), n, acc.data());
+      done = true;
+    }
+#endif
+    if (!done) {
+      for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] * v_t
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = scores[j * n + t];
+          float* a = acc.data() + j * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vp[d]);
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(values[t][d]);
+        }
       }
     }
     for (int64_t j = 0; j < group; ++j) {
