@@ -483,11 +483,12 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
     title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
     plot(report["engines"], out_dir / f"{stem}.png", title)
-    print(f"{'':18s}" + "".join(f"{m:>19s}" for m in METRICS))
+    w, wp = max(map(len, report["engines"])) + 1, max(map(len, report["ratios"]), default=0) + 2
+    print(" " * w + "".join(f"{m:>19s}" for m in METRICS))
     for name, summary in report["engines"].items():
-        print(f"{name:18s}" + "".join(f"{summary[m]:19.1f}" for m in METRICS))
+        print(f"{name:{w}s}" + "".join(f"{summary[m]:19.1f}" for m in METRICS))
     for pair, rs in report["ratios"].items():
-        print(f"{pair:34s}" + "  ".join(f"{m} {v:.2f}" for m, v in rs.items() if v is not None))
+        print(f"{pair:{wp}s}" + "  ".join(f"{m} {v:.2f}" for m, v in rs.items() if v is not None))
     print(f"wrote {out_dir / stem}.json and .png in {report['wall_s']} s")
 
 

@@ -1,7 +1,7 @@
 """Setting up the peers of scripts/bench_peers.py: vLLM's CPU build in its own venv, llama-server
-built from the llama.cpp that llama-cpp-python's source distribution vendors, the checkpoints of
-each shape and their GGUF conversions. Each step runs once; its stamp or product marks it done.
-Nothing here is a dependency of ppserve.
+built from the llama.cpp that llama-cpp-python's source distribution vendors (and llama-perplexity,
+for scripts/bench_quant_quality.py), the checkpoints of each shape and their GGUF conversions.
+Each step runs once; its stamp or product marks it done. Nothing here is a dependency of ppserve.
 """
 
 from __future__ import annotations
