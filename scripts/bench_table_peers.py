@@ -7,8 +7,16 @@ from collections.abc import Callable, Sequence
 
 from bench_format import Result, bold, markdown, num
 
-PEER_ORDER = ["ppserve-pp1", "vllm", "ppserve-pp2", "vllm-pp2", "llama-server", "llama-server-q4_1"]
-RIVAL = {"ppserve-pp1": "vllm", "ppserve-pp2": "vllm-pp2"}
+QUANTIZED_ORDER = ["ppserve-pp1-q4_1", "ppserve-pp2-q4_1", "llama-server-q4_1", "llama-server-q4_1-fa-off"]
+PEER_ORDER = ["ppserve-pp1", "vllm", "ppserve-pp2", "vllm-pp2", "llama-server", "llama-server-fa-off", *QUANTIZED_ORDER]
+# Who a ppserve row is measured against: vLLM on the float weights, llama-server (llama.cpp's
+# default flags) on the Q4_1 GGUF, which vLLM does not run.
+RIVAL = {
+    "ppserve-pp1": "vllm",
+    "ppserve-pp2": "vllm-pp2",
+    "ppserve-pp1-q4_1": "llama-server-q4_1",
+    "ppserve-pp2-q4_1": "llama-server-q4_1",
+}
 LOWER_IS_BETTER = {"ttft_ms_p50", "itl_ms_p50", "batch1_itl_ms_p50"}
 
 
@@ -49,10 +57,45 @@ table_peers_smollm2 = peers_table(
         "ppserve-pp2": "ppserve, PP=2",
         "vllm-pp2": "vLLM, PP=2 (a core per stage)",
         "llama-server": "llama-server, F32 GGUF",
+        "llama-server-fa-off": "llama-server, F32 GGUF, flash attention off",
+        "ppserve-pp1-q4_1": "ppserve, PP=1, the Q4_1 GGUF (int4)",
+        "ppserve-pp2-q4_1": "ppserve, PP=2, the Q4_1 GGUF (int4)",
         "llama-server-q4_1": "llama-server, the Q4_1 GGUF itself",
+        "llama-server-q4_1-fa-off": "llama-server, the Q4_1 GGUF, flash attention off",
     },
     1,
 )
+
+
+def table_peers_quantized(results: Sequence[Result]) -> list[str]:
+    """The engines that compute with the Q4_1 GGUF's weights, against llama-server on it (llama.cpp's
+    default flags): batch-1 time per output token (ITL p50) and the burst's output tokens/s, with
+    their ratios. A ppserve ratio is bold where it is at least as good; "—" where a run lacks the
+    engine the ratio needs."""
+    r = results[0]
+    engines, ref = r["engines"], r["engines"].get("llama-server-q4_1")
+    labels = {
+        "ppserve-pp1-q4_1": "ppserve, PP=1 (int4 linears)",
+        "ppserve-pp2-q4_1": "ppserve, PP=2 (int4 linears)",
+        "llama-server-q4_1": "llama-server",
+        "llama-server-q4_1-fa-off": "llama-server, flash attention off",
+    }
+
+    def ratio(e: dict[str, float], key: str, lower_is_better: bool, ours: bool) -> str:
+        if ref is None or not ref[key]:
+            return "—"
+        v = e[key] / ref[key]
+        return bold(f"{num(v, 2)}x", ours and (v <= 1 if lower_is_better else v >= 1))
+
+    rows = []
+    for name in (n for n in QUANTIZED_ORDER if n in engines):
+        e, ours = engines[name], name.startswith("ppserve")
+        batch1 = [f"{num(e['batch1_itl_ms_p50'])} ms", ratio(e, "batch1_itl_ms_p50", True, ours)]
+        rows.append([labels[name], *batch1, num(e["output_tok_s"]), ratio(e, "output_tok_s", False, ours)])
+    streams = r.get("settings", {}).get("num_requests")
+    burst = f"{streams}-stream output tok/s" if streams else "burst output tok/s"
+    header = ["Q4_1 GGUF", "batch-1 ms/token", "÷ llama-server", burst, "÷ llama-server"]
+    return markdown(header, rows)
 
 
 # Columns of the targets table: a label, and the peers JSON that gives both its PP=1 and PP=2 rows.

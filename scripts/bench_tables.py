@@ -30,7 +30,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 MARKER = re.compile(r"<!-- bench-table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /bench-table -->", re.DOTALL)
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_format import Result, bold, markdown, num, thousands, us_or_ms  # noqa: E402
-from bench_table_peers import TARGET_COLUMNS, table_ab_throughput, table_peers_smollm2, table_peers_targets  # noqa: E402
+from bench_table_peers import (  # noqa: E402
+    TARGET_COLUMNS,
+    table_ab_throughput,
+    table_peers_quantized,
+    table_peers_smollm2,
+    table_peers_targets,
+)
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -385,6 +391,7 @@ class Table:
 TABLES: dict[str, Table] = {
     "gguf_load": Table(("gguf_load.json",), table_gguf_load),
     "peers_smollm2": Table(("peers_smollm2.json",), table_peers_smollm2),
+    "peers_quantized": Table(("peers_smollm2.json",), table_peers_quantized),
     "peers_targets": Table(tuple(TARGET_COLUMNS), table_peers_targets),
     "profile_step": Table(
         (

@@ -1,7 +1,7 @@
 """Setting up the peers of scripts/bench_peers.py: vLLM's CPU build in its own venv, llama-server
-built from the llama.cpp that llama-cpp-python's source distribution vendors, the checkpoints of
-each shape and their GGUF conversions. Each step runs once; its stamp or product marks it done.
-Nothing here is a dependency of ppserve.
+built from the llama.cpp that llama-cpp-python's source distribution vendors (and llama-perplexity,
+for scripts/bench_quant_quality.py), the checkpoints of each shape and their GGUF conversions.
+Each step runs once; its stamp or product marks it done. Nothing here is a dependency of ppserve.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ PEERS = ROOT / ".venv-peers"
 PEERS_PY = PEERS / "bin/python"
 LLAMA = PEERS / "llama.cpp"
 LLAMA_SERVER = LLAMA / "build/bin/llama-server"
+LLAMA_PERPLEXITY = LLAMA / "build/bin/llama-perplexity"
 CACHE = ROOT / "build/peers"
 LOGS = CACHE / "logs"
 VLLM_VERSION = "0.32.0"
@@ -122,9 +123,22 @@ def setup_llama_server() -> None:
     # No web UI (the prebuilt one would be downloaded) and no HTTPS: neither is needed here.
     flags = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF "
     flags += "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
-    flags += "-DLLAMA_OPENSSL=OFF"
+    # Tools on (llama.cpp's default when built on its own): llama-perplexity is one of them.
+    flags += "-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TOOLS=ON"
     sh(["cmake", "-S", str(LLAMA / "src"), "-B", str(LLAMA / "build"), *flags.split()], log)
     sh(["cmake", "--build", str(LLAMA / "build"), "--target", "llama-server", "-j", str(os.cpu_count())], log)
+
+
+def setup_llama_perplexity() -> None:
+    """Build llama-perplexity next to llama-server, from the same configured tree (the libraries are
+    shared, so only the tool itself compiles: a few minutes on 2 cores)."""
+    setup_llama_server()
+    if LLAMA_PERPLEXITY.exists():
+        return
+    log = LOGS / "setup-llama.log"
+    print(f"building llama-perplexity into {LLAMA} (a few minutes on 2 cores; log: {log})")
+    target = ["--target", "llama-perplexity", "-j", str(os.cpu_count())]
+    sh(["cmake", "--build", str(LLAMA / "build"), *target], log)
 
 
 # Two changes to the GGUF's vocabulary, neither of which touches the math (prompts go as token ids):
