@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -123,85 +125,90 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
                       int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = heads / kv_heads;  // query heads per kv head
   const int64_t token_stride = kv_heads * head_dim;
-  // One task per request and kv head, so that even one request keeps every thread busy; a
-  // task reads its head's keys and values once for all the query heads that share them.
+  // A task per request, or per request and kv head when there are too few requests to keep every
+  // thread busy. A request's kv heads lie side by side in each token's slot, so one task reading
+  // them all, head after head, finds the later heads' lines in its cache; split over tasks, each
+  // head's reads drag its neighbours' lines in from memory again (slower at 32 requests).
+  const int64_t split = batch < 4 * omp_get_max_threads() ? kv_heads : 1;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < batch * kv_heads; ++task) {
-    const int64_t b = task / kv_heads, g = task % kv_heads;
+  for (int64_t task = 0; task < batch * split; ++task) {
+    const int64_t b = task / split;
     const int64_t len = lens[b];
     const int64_t lo = window > 0 && len > window ? len - window : 0;
     const int64_t n = len - lo;
     const int64_t* table = tables + b * max_blocks;
-    // qf: [group, head_dim] queries in float; scores: [group, n]; acc: [group, head_dim];
-    // keys, values: where each token's are
-    thread_local std::vector<float> qf, scores, acc;
-    thread_local std::vector<const T*> keys, values;
-    qf.resize(group * head_dim);
-    scores.resize(group * n);
-    acc.assign(group * head_dim, 0.0f);
-    keys.resize(n);
-    values.resize(n);
-    const T* qb = q + (b * heads + g * group) * head_dim;
-    for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qb[i]);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = lo + t;
-      const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
-      keys[t] = k + offset;
-      values[t] = v + offset;
-    }
-    bool done = false;
-#if defined(__AVX512F__)
-    if (head_dim == 64 || head_dim == 128) {
-      (head_dim == 64 ? scores_simd<T, 4> : scores_simd<T, 8>)(qf.data(), group, keys.data(), n, scale, scores.data());
-      done = true;
-    }
-#endif
-    if (!done) {
+    for (int64_t g = task % split * (kv_heads / split); g < (task % split + 1) * (kv_heads / split); ++g) {
+      // qf: [group, head_dim] queries in float; scores: [group, n]; acc: [group, head_dim];
+      // keys, values: where each token's are
+      thread_local std::vector<float> qf, scores, acc;
+      thread_local std::vector<const T*> keys, values;
+      qf.resize(group * head_dim);
+      scores.resize(group * n);
+      acc.assign(group * head_dim, 0.0f);
+      keys.resize(n);
+      values.resize(n);
+      const T* qb = q + (b * heads + g * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qb[i]);
       for (int64_t t = 0; t < n; ++t) {
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qh = qf.data() + j * head_dim;
-          float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(keys[t][d]);
-          scores[j * n + t] = s * scale;
+        const int64_t pos = lo + t;
+        const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
+        keys[t] = k + offset;
+        values[t] = v + offset;
+      }
+      bool done = false;
+  #if defined(__AVX512F__)
+      if (head_dim == 64 || head_dim == 128) {
+        (head_dim == 64 ? scores_simd<T, 4> : scores_simd<T, 8>)(qf.data(), group, keys.data(), n, scale, scores.data());
+        done = true;
+      }
+  #endif
+      if (!done) {
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t j = 0; j < group; ++j) {
+            const float* qh = qf.data() + j * head_dim;
+            float s = 0.0f;
+  #pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(keys[t][d]);
+            scores[j * n + t] = s * scale;
+          }
         }
       }
-    }
-    float denom[64];  // heads per kv head: at most 64 (checked by the caller)
-    for (int64_t j = 0; j < group; ++j) {  // softmax over t
-      float* s = scores.data() + j * n;
-      float m = s[0];
-      for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = expf(s[t] - m);
-        sum += s[t];
+      float denom[64];  // heads per kv head: at most 64 (checked by the caller)
+      for (int64_t j = 0; j < group; ++j) {  // softmax over t
+        float* s = scores.data() + j * n;
+        float m = s[0];
+        for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+  #pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = expf(s[t] - m);
+          sum += s[t];
+        }
+        denom[j] = sum;
+        for (int64_t t = 0; t < n; ++t) s[t] = round_as<T>(s[t]);
       }
-      denom[j] = sum;
-      for (int64_t t = 0; t < n; ++t) s[t] = round_as<T>(s[t]);
-    }
-    done = false;
-#if defined(__AVX512F__)
-    if (head_dim == 64 || head_dim == 128) {
-      (head_dim == 64 ? values_simd<T, 4> : values_simd<T, 8>)(scores.data(), group, values.data(), n, acc.data());
-      done = true;
-    }
-#endif
-    if (!done) {
-      for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] * v_t
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * n + t];
-          float* a = acc.data() + j * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(values[t][d]);
+      done = false;
+  #if defined(__AVX512F__)
+      if (head_dim == 64 || head_dim == 128) {
+        (head_dim == 64 ? values_simd<T, 4> : values_simd<T, 8>)(scores.data(), group, values.data(), n, acc.data());
+        done = true;
+      }
+  #endif
+      if (!done) {
+        for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] * v_t
+          for (int64_t j = 0; j < group; ++j) {
+            const float p = scores[j * n + t];
+            float* a = acc.data() + j * head_dim;
+  #pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(values[t][d]);
+          }
         }
       }
-    }
-    for (int64_t j = 0; j < group; ++j) {
-      const float inv = 1.0f / denom[j];
-      T* o = out + (b * heads + g * group + j) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) store(o + d, acc[j * head_dim + d] * inv);
+      for (int64_t j = 0; j < group; ++j) {
+        const float inv = 1.0f / denom[j];
+        T* o = out + (b * heads + g * group + j) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) store(o + d, acc[j * head_dim + d] * inv);
+      }
     }
   }
 }
