@@ -73,15 +73,6 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high h
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// Tokens ahead whose key or value is fetched while this one's is used: a request's tokens lie in
-// blocks scattered over the cache, where the hardware's prefetcher loses the stream.
-constexpr int64_t kAhead = 8;
-template <typename T>
-inline void prefetch(const T* p, int nv) {
-  for (int64_t off = 0; off < int64_t(nv) * 16 * int64_t(sizeof(T)); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
 // The two loops over keys of a task with head_dim = 16 * NV, in registers: a token's key or value
 // is loaded once for a block of JB query heads, and every dot product and accumulator is a
 // register, so that consecutive tokens' work overlaps (the generic loops below wait on each dot
@@ -95,7 +86,6 @@ void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n
     for (int j = 0; j < JB; ++j)
       for (int i = 0; i < NV; ++i) qv[j][i] = j < jn ? _mm512_loadu_ps(qf + (j0 + j) * 16 * NV + 16 * i) : _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      if (t + kAhead < n) prefetch(keys[t + kAhead], NV);
       __m512 kv[NV];
       for (int i = 0; i < NV; ++i) kv[i] = load16(keys[t] + 16 * i);
       for (int j = 0; j < JB; ++j) {
@@ -116,7 +106,6 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
     for (int j = 0; j < JB; ++j)
       for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      if (t + kAhead < n) prefetch(values[t + kAhead], NV);
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(values[t] + 16 * i);
       for (int j = 0; j < JB; ++j) {

@@ -76,11 +76,14 @@ def configure(enabled: bool, cache: str) -> None:
     """Take the engine config's settings (a process runs the stages of one config)."""
     global _settings
     _settings = (enabled, cache)
+    load.cache_clear()
+    _kernel.cache_clear()
 
 
+@functools.cache  # a layer asks several times a step: the answer is kept until `configure`
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None where it is switched off or cannot be built (then SDPA
-    is used)."""
+    """The built kernel library, or None where it is switched off or cannot be built (then the
+    torch ops are used)."""
     enabled, cache = _settings or (True, "")
     return _load(cache or str(cache_dir())) if enabled else None
 
@@ -207,6 +210,7 @@ def rope_write_kv(
     )  # fmt: skip
 
 
+@functools.cache
 def _kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
     dll = load()
     assert dll is not None, "call only where available()"
