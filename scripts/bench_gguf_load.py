@@ -34,7 +34,7 @@ torch.set_num_threads(2)
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.engine.model.tokenizer import Tokenizer
-config = EngineConfig.create(sys.argv[1], num_kv_blocks=64)
+config = EngineConfig.create(sys.argv[1], num_kv_blocks=64, quantization=sys.argv[2])
 Tokenizer(config.model)
 StageRunner(config, 0)
 print(time.perf_counter() - t)
@@ -52,9 +52,10 @@ print(time.perf_counter() - t)
 """
 
 
-def timed(code: str, model: Path, cache: Path) -> float:
+def timed(code: str, model: Path, cache: Path, quantization: str = "none") -> float:
     env = {**os.environ, "PPSERVE_CACHE_DIR": str(cache)}
-    out = subprocess.run([sys.executable, "-c", code, str(model)], env=env, capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", code, str(model), quantization]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -64,19 +65,21 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/gguf_load.json"))
     args = p.parse_args()
     gguf, hf_dir = demo_model(), smollm2_hf_dir()
-    times: dict[str, list[float]] = {"gguf_first": [], "gguf_cached": [], "safetensors": [], "transformers_gguf": []}
+    cases = ["gguf_first", "gguf_cached", "gguf_quantized", "safetensors", "transformers_gguf"]
+    times: dict[str, list[float]] = {case: [] for case in cases}
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp)
             times["gguf_first"].append(timed(ENGINE_LOAD, gguf, cache))
             times["gguf_cached"].append(timed(ENGINE_LOAD, gguf, cache))
+            times["gguf_quantized"].append(timed(ENGINE_LOAD, gguf, cache, "auto"))
             times["safetensors"].append(timed(ENGINE_LOAD, hf_dir, cache))
             times["transformers_gguf"].append(timed(HF_LOAD, gguf, cache))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     medians = {k: statistics.median(v) for k, v in times.items()}
     report = {
         "benchmark": "gguf_load",
-        "model": f"{DEMO_MODEL} Q4_1 GGUF, to float32, PP=1 (config, tokenizer, weights)",
+        "model": f"{DEMO_MODEL} Q4_1 GGUF, PP=1 (config, tokenizer, weights): to float32, or kept quantized",
         "rounds": args.rounds,
         "seconds": times,
         "median_s": medians,

@@ -77,12 +77,14 @@ def table_gguf_load(r: Sequence[Result]) -> list[str]:
     d = r[0]
     med = d["median_s"]
     labels = [
-        ("gguf_first", "first start: prepare (metadata, tokenizer), dequantize, cache"),
-        ("gguf_cached", "cached start"),
+        ("gguf_first", "first start: prepare (metadata, tokenizer), dequantize, cache; build the CPU kernels"),
+        ("gguf_cached", "cached start (`--quantization none`)"),
+        ("gguf_quantized", "cached start, kept quantized (`--quantization auto`, the default)"),
         ("safetensors", "the same weights as a safetensors directory"),
         ("transformers_gguf", "transformers' own GGUF loader (`from_pretrained(gguf_file=...)`), for comparison"),
     ]
-    return markdown(["start", f"seconds (median of {d['rounds']})"], [(label, num(med[k])) for k, label in labels])
+    rows = [(label, num(med[k])) for k, label in labels if k in med]
+    return markdown(["start", f"seconds (median of {d['rounds']})"], rows)
 
 
 def table_profile_step(results: Sequence[Result]) -> list[str]:
