@@ -4,7 +4,10 @@ Prefills `--batch` requests of `--context` tokens, then times and profiles `--st
 steps of the whole batch (all layers, logits and sampling) inside the engine's own loop
 (scripts/step_times.py), and groups the ops' self time with torch.profiler: GEMMs, attention,
 KV gather, KV write, norms/RoPE/activations, sampling, and the rest.
-What no op accounts for is Python: the per-layer module calls and the attention metadata.
+What no op accounts for is Python (the per-layer module calls and the attention metadata) and the
+CPU kernels that the profiler cannot see (engine/model/cpu_kernels.py: the residual add with
+RMSNorm, SiLU * up, RoPE with the cache write; decode attention is named, as
+ppserve::decode_attention).
 
     python scripts/profile_step.py --model-dir DIR [--batch 64] [--context 200] [--dtype float32]
 
