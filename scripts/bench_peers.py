@@ -255,7 +255,8 @@ def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[s
     GGUF's) are expected to agree (`pairs`); a float engine against a quantized one parts where
     4-bit arithmetic moves a near tie (`across_weights`, reported only). Nothing here fails a run."""
     ids = {s.name: [greedy_ids(s, p, n) for p in prompts] for s in servers}
-    pairs, across = {}, {}
+    pairs: dict[str, Any] = {}
+    across: dict[str, Any] = {}
     for i, a in enumerate(servers):
         for b in servers[i + 1 :]:
             first = [next((k for k, (x, y) in enumerate(zip(u, v, strict=True)) if x != y), None)
