@@ -3,7 +3,8 @@
 # each writing its JSON under benchmarks/results/, then render the documentation's tables.
 #   scripts/bench_all.sh             all of them, one after another (about 50 minutes on 2 cores)
 #   scripts/bench_all.sh pd serving  only those (names: see RUNS below)
-# The rest: scripts/bench_peers.py (peers*.json) and sudo scripts/bench_multinode.py (multinode.json);
+# The rest: scripts/bench_peers.py (peers*.json), scripts/bench_quant_quality.py (quant_perplexity.json)
+# and sudo scripts/bench_multinode.py (multinode.json);
 # docs/benchmarks.md gives their commands. Run on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,8 @@ run_serving() {                                                      # ~4 min + 
     --request-rate 8 --tag poisson
 }
 run_prefix_cache() { $PY scripts/bench_prefix_cache.py --rounds 3; } # ~17 min
-run_profile_step() {                                                 # ~5 min for the seven
+run_quant() { $PY scripts/bench_quant.py; }                         # ~2 min (quant_perplexity.json: peers)
+run_profile_step() {                                                 # ~5 min for the eight
   local small realistic gguf
   small="$(ckpt small)" realistic="$(ckpt realistic)" gguf="$(demo)"
   # The column before the fast paths: F.linear, and SDPA instead of the decode-attention kernel.
@@ -35,10 +37,12 @@ run_profile_step() {                                                 # ~5 min fo
   $PY scripts/profile_step.py --model-dir "$small" --batch 1 --context 200 --threads 2 --tag small_batch1
   $PY scripts/profile_step.py --model-dir "$realistic" --batch 16 --context 200 --threads 2 --tag realistic
   $PY scripts/profile_step.py --model-dir "$gguf" --batch 1 --context 192 --threads 2 --tag smollm2_b1
+  $PY scripts/profile_step.py --model-dir "$gguf" --batch 1 --context 192 --threads 2 --quantization auto \
+    --tag smollm2_b1_q4
   $PY scripts/profile_step.py --model-dir "$gguf" --batch 32 --context 240 --threads 2 --tag smollm2_b32
 }
 
-RUNS=(chunking gguf_load model pd pipeline serving prefix_cache profile_step)
+RUNS=(chunking gguf_load model pd pipeline serving prefix_cache profile_step quant)
 names=("$@")
 [ "${#names[@]}" -gt 0 ] || names=("${RUNS[@]}")
 for name in "${names[@]}"; do
