@@ -57,3 +57,19 @@ def test_pp2_on_one_gpu(llama_dir: Path, prompts: list[list[int]], pp1: list[lis
     config = _config(llama_dir, 2, gpu_ids=(0,))
     assert config.stage_gpus == (0, 0) and config.tensor_transport == "shm"
     assert asyncio.run(_greedy(config, prompts)) == pp1
+
+
+@pytest.mark.parametrize("quantization", ["int8", "auto"])
+def test_quantization_flags_run_on_cuda(
+    llama_dir: Path, tmp_path: Path, prompts: list[list[int]], quantization: str
+) -> None:
+    """--quantization on CUDA (the weight dequantized once at load, engine/model/quantized.py): int8
+    on a float checkpoint and a Q4_1 GGUF kept as int4 both serve, equal across PP=1 and PP=2."""
+    from gguf import GGMLQuantizationType
+    from gguf_files import write_gguf
+
+    model = (
+        llama_dir if quantization == "int8" else write_gguf(llama_dir, tmp_path / "m.gguf", GGMLQuantizationType.Q4_1)
+    )
+    runs = [asyncio.run(_greedy(_config(model, pp, gpu_ids=(0,), quantization=quantization), prompts)) for pp in (1, 2)]
+    assert runs[0] == runs[1] and all(len(r) == GREEDY.max_tokens for r in runs[0])
