@@ -265,7 +265,10 @@ async def _fuzz(llama_dir: Path, keyed: bool) -> None:
                 valid += action[0] == "valid"
                 if i % 200 == 0:
                     await asyncio.sleep(0)  # let the engines read as a network would
+            # Settled: every room has reached the prefill host (on a loaded machine the last ones
+            # are still on their way when the first have long been decided), and all are freed.
             await _settles(
+                lambda: len(opened) == kinds["room"] + kinds["valid"],
                 lambda: p.scheduler.allocator.num_free == NUM_BLOCKS and not rooms.rooms and not p.scheduler.held,
                 lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving,
             )
