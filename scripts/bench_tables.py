@@ -31,12 +31,13 @@ MARKER = re.compile(r"<!-- bench-table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- 
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_format import Result, bold, markdown, num, thousands, us_or_ms  # noqa: E402
 from bench_table_peers import (  # noqa: E402
-    TARGET_COLUMNS,
+    TARGET_SOURCES,
     table_ab_throughput,
     table_peers_quantized,
     table_peers_smollm2,
     table_peers_targets,
 )
+from bench_table_quant import table_quant_kernels, table_quant_perplexity  # noqa: E402
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -392,9 +393,11 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "gguf_load": Table(("gguf_load.json",), table_gguf_load),
-    "peers_smollm2": Table(("peers_smollm2.json",), table_peers_smollm2),
-    "peers_quantized": Table(("peers_smollm2.json",), table_peers_quantized),
-    "peers_targets": Table(tuple(TARGET_COLUMNS), table_peers_targets),
+    "quant_kernels": Table(("quant_kernels.json",), table_quant_kernels),
+    "quant_perplexity": Table(("quant_perplexity.json",), table_quant_perplexity),
+    "peers_smollm2": Table(("peers_smollm2.json", "peers_smollm2_q4_1.json"), table_peers_smollm2),
+    "peers_quantized": Table(("peers_smollm2_q4_1.json",), table_peers_quantized),
+    "peers_targets": Table(TARGET_SOURCES, table_peers_targets),
     "profile_step": Table(
         (
             "profile_step_small_plain.json",

@@ -1,0 +1,50 @@
+"""The tables of the quantized-weights benchmarks (scripts/bench_quant.py,
+scripts/bench_quant_quality.py); rendered by scripts/bench_tables.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bench_format import Result, markdown, num
+
+
+def table_quant_kernels(r: Sequence[Result]) -> list[str]:
+    """ms per pass through every layer's linears and the head, per kind and row count."""
+    d = r[0]
+    ms = d["ms"]
+    rows_m = list(ms["float32"])
+    labels = {
+        "float32": "float32, packed",
+        "bfloat16": "bfloat16, packed",
+        "int8": "int8 per row (`_weight_int8pack_mm`)",
+        "int4": "int4, groups of 32 (`_weight_int4pack_mm_for_cpu`)",
+    }
+    rows = []
+    for kind, label in labels.items():
+        cells = [label]
+        for m in rows_m:
+            t = ms[kind][m]["layers_ms"] + ms[kind][m]["head_ms"]
+            base = ms["float32"][m]["layers_ms"] + ms["float32"][m]["head_ms"]
+            cells.append(f"{num(t)} ms" + ("" if kind == "float32" else f" ({num(t / base, 2)}x)"))
+        rows.append(cells)
+    return markdown(["weights (float32 activations)", *(f"M = {m}" for m in rows_m)], rows)
+
+
+def table_quant_perplexity(r: Sequence[Result]) -> list[str]:
+    d = r[0]
+    scored = d["tokens"]["scored"]
+    rows = [
+        ["llama.cpp (`llama-perplexity`), the Q4_1 GGUF", num(d["llama_cpp"]["perplexity"], 4), "—"],
+        [
+            "ppserve, kept quantized (`--quantization auto`)",
+            num(d["ppserve_auto"]["perplexity"], 4),
+            f"{num(100 * d['relative_difference']['ppserve_auto_vs_llama_cpp'], 3)}% from llama.cpp",
+        ],
+        [
+            "ppserve, dequantized to float32 (`--quantization none`)",
+            num(d["ppserve_none"]["perplexity"], 4),
+            f"{num(100 * d['relative_difference']['ppserve_none_vs_transformers'], 4)}% from transformers",
+        ],
+        ["transformers, dequantized to float32", num(d["transformers"]["perplexity"], 4), "—"],
+    ]
+    return markdown(["engine", f"perplexity ({scored} tokens)", "difference"], rows)
