@@ -94,12 +94,11 @@ class Attention(nn.Module):
         self.qkv_sizes = [q_out, kv_out, kv_out]
         self.qkv: Linear | QuantLinear  # set by fuse()
         self.out: Linear | QuantLinear
-        self.fast = False  # RoPE and the cache write by the CPU kernel; set by fuse()
+        self.fast = False  # RoPE and the cache write by the CPU kernel; set by StageModel.fuse
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8)
         self.out = fuse_linears([self.o_proj], dtype, device, int8)
-        self.fast = cpu_kernels.available(device, dtype)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(
@@ -135,12 +134,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: Linear | QuantLinear  # set by fuse()
         self.down: Linear | QuantLinear
-        self.fast = False  # SiLU(gate) * up by the CPU kernel; set by fuse()
+        self.fast = False  # SiLU(gate) * up by the CPU kernel; set by StageModel.fuse
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8)
         self.down = fuse_linears([self.down_proj], dtype, device, int8)
-        self.fast = cpu_kernels.available(device, dtype)
         del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +208,9 @@ class StageModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse(dtype, device, int8)
             layer.mlp.fuse(dtype, device, int8)
-            layer.input_layernorm.fast = layer.post_attention_layernorm.fast = fast
+            # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
+            for module in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+                module.fast = fast
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
