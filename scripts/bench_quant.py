@@ -5,9 +5,10 @@ one pass through every linear of every layer (q/k/v, o, gate/up, down: 30 layers
 shapes by default, so that the weights do not fit in the caches, as in a real step), and the
 head, for:
 - float32 and bfloat16, packed for oneDNN (engine/model/linear.py), as the engine runs them;
-- int8 per row (`_weight_int8pack_mm`) and int4 in groups of 32 (`_weight_int4pack_mm_for_cpu`),
-  through engine/model/quantized.py's QuantLinear with a float32 model's activations (converted
-  to bfloat16 and back, as the engine does).
+- int8 and int4 in blocks of 32 through engine/model/quantized.py's QuantLinear with a float32
+  model's activations, by each of its CPU kernels: ppserve's (int8 activations and integer dot
+  products, engine/model/cpu_kernels.cpp) and torch's (`_weight_int8pack_mm` with one scale per
+  row, `_weight_int4pack_mm_for_cpu`; activations converted to bfloat16 and back).
 
     .venv/bin/python scripts/bench_quant.py [--hidden 576 --intermediate 1536 --layers 30 ...]
 
@@ -82,8 +83,9 @@ def main() -> None:
         if kind in ("float32", "bfloat16"):
             dtype = getattr(torch, kind)
             return Linear(w.to(dtype), None, onednn_packs(CPU, dtype))
-        qw = quantize_int8(w) if kind == "int8" else int4_weight(w)
-        return QuantLinear(qw, None, torch.float32, CPU)
+        bits, _, kernel = kind.partition("-")
+        qw = quantize_int8(w) if bits == "int8" else int4_weight(w)
+        return QuantLinear(qw, None, torch.float32, CPU, kernel or "ppserve")
 
     def time_kind(kind: str) -> dict[str, dict[str, float]]:
         layers = [make(kind, w) for w in weights]
@@ -96,19 +98,23 @@ def main() -> None:
                 layers_ms = timed(lambda: [lin(xs[lin.in_features]) for lin in layers], a.repeats)  # noqa: B023
                 head_ms = timed(lambda: head_layer(xs[a.hidden]), a.repeats)  # noqa: B023
             times[str(m)] = {"layers_ms": layers_ms, "head_ms": head_ms}
-            print(f"{kind:9s} M={m:4d}: layers {layers_ms:8.2f} ms, head {head_ms:7.2f} ms", flush=True)
+            print(f"{kind:10s} M={m:4d}: layers {layers_ms:8.2f} ms, head {head_ms:7.2f} ms", flush=True)
         return times
 
     rows = [int(r) for r in a.rows.split(",")]
-    results = {kind: time_kind(kind) for kind in ("float32", "bfloat16", "int8", "int4")}
+    quantized = ("int8", "int4", "int8-torch", "int4-torch")  # bare: ppserve's kernel
+    results = {kind: time_kind(kind) for kind in ("float32", "bfloat16", *quantized)}
+    pairs = [(q, f) for q in quantized for f in ("float32", "bfloat16")] + [
+        ("int8", "int8-torch"),
+        ("int4", "int4-torch"),
+    ]
     ratios = {
         f"{q}_vs_{f}": {
             m: (results[q][m]["layers_ms"] + results[q][m]["head_ms"])
             / (results[f][m]["layers_ms"] + results[f][m]["head_ms"])
             for m in results[q]
         }
-        for q in ("int8", "int4")
-        for f in ("float32", "bfloat16")
+        for q, f in pairs
     }
     out = ROOT / "benchmarks/results/quant_kernels.json"
     shape = {"hidden": a.hidden, "intermediate": a.intermediate, "layers": a.layers, "heads": a.heads}

@@ -7,6 +7,10 @@
 - The glue of a decoder layer: residual add with RMSNorm, SiLU(gate) * up, RoPE on q and k with
   the KV cache write. In torch these are some twenty ops per layer, each a dispatch and a pass
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
+- The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
+  activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
+  and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
+  only where the CPU has AVX-512 VNNI; elsewhere torch's kernels run.
 
 The library is compiled with the system's g++ at the first stage start on a machine (a few
 seconds) into `kernels/` of the cache directory (engine/model/cache_dir.py: ~/.cache/ppserve by
@@ -46,6 +50,8 @@ _ARGTYPES = {
     "silu_mul": [_PTR] * 2 + [_INT64] * 2,
     "rope_write_kv": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 4,
 }
+# Built only for some CPUs (see cpu_kernels.cpp): present or absent as a whole.
+_QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf.
@@ -114,7 +120,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
         detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
         log.warning("cannot build the CPU kernels (%s): the forward pass runs torch ops only", *detail or ["?"])
         return None
-    for name, argtypes in _ARGTYPES.items():
+    kernels = _ARGTYPES | (_QUANT_ARGTYPES if hasattr(dll, "quant_gemm_q4_f32") else {})
+    for name, argtypes in kernels.items():
         for suffix in KERNEL_DTYPES.values():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
@@ -123,6 +130,33 @@ def _load(cache: str) -> ctypes.CDLL | None:
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in KERNEL_DTYPES and load() is not None
+
+
+def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `quant_gemm` runs here (the library is built, and with its quantized GEMM)."""
+    return available(device, dtype) and hasattr(load(), "quant_gemm_q4_f32")
+
+
+def quant_gemm(
+    x: torch.Tensor,
+    bits: int,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """x: [rows, in] (float32 or bfloat16) @ W.T + bias -> [rows, out_features] in x's dtype, W as
+    engine/model/quantized.py packs it for this kernel (`mins` for 4 bits only)."""
+    x = x.contiguous()
+    rows, inp = x.shape
+    assert inp % 32 == 0 and (bias is None or bias.dtype == x.dtype) and (mins is not None) == (bits == 4)
+    y = x.new_empty(rows, out_features)
+    _kernel(f"quant_gemm_q{bits}", x.dtype)(
+        x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features, inp,
+    )  # fmt: skip
+    return y
 
 
 def decode_attention(

@@ -1,19 +1,19 @@
-"""Weight-only quantized linears: the weights stay integers in memory and the GEMM reads them so,
-through torch's own CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
+"""Weight-only quantized linears: the weights stay integers in memory and every GEMM reads them so.
 
 Two formats, each w = dequantized value of one weight of a [out, in] matrix:
-- int8, one scale per output row: w = q * scale. A Q8_0 GGUF tensor (int8 in blocks of 32 with
-  one scale each) and `--quantization int8` on a float checkpoint both become this; Q8_0's block
-  scales fold into the row's scale by requantizing (one rounding of at most half a row step).
-- int4 in groups of 32 along the input, a scale and a zero per group: w = (q - 8) * scale + zero,
-  q in 0..15. GGUF's Q4_0 (w = (q - 8) * d) and Q4_1 (w = q * d + m, so zero = m + 8d) map onto it
-  exactly, up to the rounding of scale and zero to the kernel's dtype.
+- int8 in blocks of 32 along the input, one scale each: w = q * scale. GGUF's Q8_0 is exactly this,
+  and `--quantization int8` quantizes a float checkpoint so (max |w| / 127 per block).
+- int4 in groups of 32, a scale and a zero per group: w = (q - 8) * scale + zero, q in 0..15.
+  GGUF's Q4_0 (w = (q - 8) * d) and Q4_1 (w = q * d + m, so zero = m + 8d) map onto it exactly.
 
-The kernels take bfloat16 activations (their float32 paths are scalar and 30x slower), so a
-float32 model rounds a quantized linear's input and output to bfloat16, as llama.cpp rounds its
-activations to 8 bits for its quantized dot products. At batch 1 they read 4-8x fewer bytes than
-float32 (scripts/bench_quant.py measures them against the packed float linears at several batch
-sizes); on devices other than the CPU the weight is dequantized once at load.
+Two CPU kernels run them:
+- ppserve's own (engine/model/cpu_kernels.cpp, on CPUs with AVX-512 VNNI): the activations are
+  rounded to int8 in blocks of 32, as llama.cpp does for its quantized dot products, and multiplied
+  in integers. The weights are repacked for it at load, scales as float16 (the GGUF's own values).
+- torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` elsewhere: bfloat16 activations,
+  one scale per row for int8 (a Q8_0 block's scale is folded into its row's by requantizing).
+At batch 1 they read 4-8x fewer bytes than float32 (scripts/bench_quant.py measures both against
+the packed float linears); on devices other than the CPU the weight is dequantized once at load.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppserve.engine.model import cpu_kernels
+
 QUANTIZATIONS = ("auto", "none", "int8")  # auto: GGUF tensors keep their own types; none: all float
 GROUP = 32  # int4 group size along the input (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16
-_INT4_ROWS = 16  # the int4 packer wants a multiple of this many output rows
+_INT4_ROWS = 16  # torch's int4 packer wants a multiple of this many output rows
+LANES = 16  # output rows side by side in ppserve's kernel (one per lane of a 512-bit register)
 # GGUF types kept quantized, and how many bytes each block of 32 weights takes
 GGUF_KEPT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
@@ -40,7 +43,7 @@ class QuantWeight:
 
     bits: int  # 8 or 4
     q: torch.Tensor  # int8 [out, in] (bits 8) or uint8 [out, in] holding 0..15 (bits 4)
-    scales: torch.Tensor  # float32 [out, 1] (bits 8) or [out, in / 32] (bits 4)
+    scales: torch.Tensor  # float32 [out, in / 32] (bits 8: [out, 1] where in is not a multiple of 32)
     zeros: torch.Tensor | None = None  # float32 [out, in / 32] (bits 4)
 
     @property
@@ -49,12 +52,13 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight it stands for (what tests compare the kernels against)."""
-        if self.bits == 8:
-            return self.q.float() * self.scales
-        assert self.zeros is not None
         out, inp = self.shape
-        groups = (self.q.float() - 8).view(out, inp // GROUP, GROUP) * self.scales[..., None] + self.zeros[..., None]
-        return groups.view(out, inp)
+        groups = self.scales.shape[1]
+        values = self.q.float().view(out, groups, inp // groups)
+        if self.bits == 8:
+            return (values * self.scales[..., None]).view(out, inp)
+        assert self.zeros is not None
+        return ((values - 8) * self.scales[..., None] + self.zeros[..., None]).view(out, inp)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The weight with its output rows reordered (llama.cpp's q/k permutation undone)."""
@@ -62,12 +66,15 @@ class QuantWeight:
         return QuantWeight(self.bits, self.q[index], self.scales[index], zeros)
 
 
-def quantize_int8(w: torch.Tensor) -> QuantWeight:
-    """Symmetric int8 per output row of a float weight [out, in]: scale = max |w| / 127."""
-    w = w.float()
-    scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
-    return QuantWeight(8, q, scales)
+def quantize_int8(w: torch.Tensor, group: int = GROUP) -> QuantWeight:
+    """Symmetric int8 of a float weight [out, in] in blocks of `group` inputs (whole rows where `in` is
+    not a multiple of it): scale = max |w| / 127, rounded to float16 as the kernel stores it."""
+    out, inp = w.shape
+    size = group if inp % group == 0 else inp
+    blocks = w.float().view(out, inp // size, size)
+    scales = (blocks.abs().amax(dim=-1) / 127).clamp_min(2.0**-24).half().float()  # float16's least step
+    q = torch.round(blocks / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight(8, q.view(out, inp), scales)
 
 
 def concat(weights: Sequence[QuantWeight]) -> QuantWeight:
@@ -87,8 +94,8 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> Q
     blocks = np.ascontiguousarray(raw).reshape(out, inp // GROUP, GGUF_KEPT[type_name])
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
     if type_name == "Q8_0":
-        q8 = blocks[..., 2:].copy().view(np.int8).astype(np.float32)  # [out, in / 32, 32]
-        return quantize_int8(torch.from_numpy((q8 * d[..., None]).reshape(out, inp)))
+        q8 = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
+        return QuantWeight(8, torch.from_numpy(q8), torch.from_numpy(d))
     packed = blocks[..., -16:]  # byte j holds weight j (low nibble) and weight j + 16 (high)
     q4 = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out, inp)
     if type_name == "Q4_0":  # w = (q - 8) * d
@@ -98,22 +105,61 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> Q
     return QuantWeight(4, torch.from_numpy(q4), torch.from_numpy(d), torch.from_numpy(zeros))
 
 
+def pack_lanes(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weights, scales, mins) laid out for cpu_kernels.quant_gemm (cpu_kernels.cpp draws the layout):
+    output rows in groups of 16 (the last padded with zero rows), each group's blocks of 32 inputs
+    with the 16 rows' bytes side by side; scales and mins float16 [groups, in / 32, 16]."""
+    out, inp = weight.shape
+    groups, blocks = -(-out // LANES), inp // GROUP
+    pad = groups * LANES - out
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [out, blocks] -> [groups, blocks, 16]
+        return F.pad(t, (0, 0, 0, pad)).view(groups, LANES, blocks).transpose(1, 2).contiguous().half()
+
+    q = F.pad(weight.q, (0, 0, 0, pad))
+    if weight.bits == 4:
+        assert weight.zeros is not None
+        nibbles = q.view(groups, LANES, blocks, 2, 4, 4)  # input j = 16 * half + 4 * chunk + byte
+        packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [groups, 16, blocks, chunk, byte]
+        mins = weight.zeros - 8 * weight.scales  # w = q * scale + min
+        return packed.permute(0, 2, 3, 1, 4).contiguous(), lanes(weight.scales), lanes(mins)
+    offset = (q.to(torch.int16) + 128).to(torch.uint8).view(groups, LANES, blocks, 8, 4)  # j = 4 * chunk + byte
+    return offset.permute(0, 2, 3, 1, 4).contiguous(), lanes(weight.scales), None
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W kept quantized; x: [rows, in] -> [rows, out] in x's dtype."""
 
     def __init__(
-        self, weight: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+        self,
+        weight: QuantWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: str | None = None,
     ) -> None:
+        """`kernel`: "ppserve" or "torch" on the CPU (scripts/bench_quant.py times both); by default
+        ppserve's where it runs."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits = weight.bits
-        self.kernel = device.type == "cpu"
+        own = cpu_kernels.quant_gemm_available(device, dtype) and self.in_features % GROUP == 0
+        if device.type != "cpu":  # no CPU kernel to run it with: the float weight, dequantized once
+            self.kernel = "none"
+        else:
+            self.kernel = kernel or ("ppserve" if own else "torch")
+            assert self.kernel == "torch" or own, "ppserve's quantized kernel does not run here"
         self.weight: torch.Tensor
         self.scales: torch.Tensor | None = None
+        self.mins: torch.Tensor | None = None
         self.bias: torch.Tensor | None
-        if not self.kernel:  # no CPU kernel to run it with: the float weight, dequantized once
+        if self.kernel == "none":
             w = weight.dequantize().to(device=device, dtype=dtype)
-        elif weight.bits == 8:
+        elif self.kernel == "ppserve":
+            w, self.scales, self.mins = pack_lanes(weight)
+        elif weight.bits == 8:  # torch's kernel scales whole rows
+            if weight.scales.shape[1] != 1:
+                weight = quantize_int8(weight.dequantize(), group=self.in_features)
             w = weight.q.contiguous()
             self.scales = weight.scales.view(-1).to(KERNEL_DTYPE)
         else:
@@ -127,8 +173,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.kernel:
+        if self.kernel == "none":
             return F.linear(x, self.weight, self.bias)
+        assert self.scales is not None
+        if self.kernel == "ppserve":
+            return cpu_kernels.quant_gemm(
+                x, self.bits, self.weight, self.scales, self.mins, self.bias, self.out_features
+            )
         xk = x.to(KERNEL_DTYPE)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scales)
