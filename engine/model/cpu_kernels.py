@@ -137,26 +137,33 @@ def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return available(device, dtype) and hasattr(load(), "quant_gemm_q4_f32")
 
 
-def quant_gemm(
-    x: torch.Tensor,
-    bits: int,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    """x: [rows, in] (float32 or bfloat16) @ W.T + bias -> [rows, out_features] in x's dtype, W as
-    engine/model/quantized.py packs it for this kernel (`mins` for 4 bits only)."""
-    x = x.contiguous()
-    rows, inp = x.shape
-    assert inp % 32 == 0 and (bias is None or bias.dtype == x.dtype) and (mins is not None) == (bits == 4)
-    y = x.new_empty(rows, out_features)
-    _kernel(f"quant_gemm_q{bits}", x.dtype)(
-        x.data_ptr(), weight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features, inp,
-    )  # fmt: skip
-    return y
+class QuantGemm:
+    """y = x @ W.T + bias by the quantized GEMM, for one weight as engine/model/quantized.py packs it
+    (`mins` for 4 bits only). Its pointers are looked up once: a step calls this some hundred times."""
+
+    def __init__(
+        self,
+        bits: int,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        out_features: int,
+        dtype: torch.dtype,
+    ) -> None:
+        assert (mins is not None) == (bits == 4) and (bias is None or bias.dtype == dtype)
+        self.fn = _kernel(f"quant_gemm_q{bits}", dtype)
+        self.dtype, self.out_features = dtype, out_features
+        self.tensors = (weight, scales, mins, bias)  # alive as long as their pointers are
+        self.pointers = tuple(None if t is None else t.data_ptr() for t in self.tensors)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] of the dtype given, in a multiple of 32 -> [rows, out_features]."""
+        assert x.dtype == self.dtype
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], self.out_features)
+        self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
+        return y
 
 
 def decode_attention(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -171,15 +172,28 @@ class QuantLinear(nn.Module):
             self.scales = F.pad(scales_zeros, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self.dtype = dtype
+        self.gemm: cpu_kernels.QuantGemm | None = None
+        self._bind()
+
+    def _bind(self) -> None:
+        if self.kernel == "ppserve":
+            assert self.scales is not None
+            self.gemm = cpu_kernels.QuantGemm(
+                self.bits, self.weight, self.scales, self.mins, self.bias, self.out_features, self.dtype
+            )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        super()._apply(fn, recurse)
+        self._bind()  # the buffers may be new tensors: the kernel's pointers go with them
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:
+            return self.gemm(x)
         if self.kernel == "none":
             return F.linear(x, self.weight, self.bias)
         assert self.scales is not None
-        if self.kernel == "ppserve":
-            return cpu_kernels.quant_gemm(
-                x, self.bits, self.weight, self.scales, self.mins, self.bias, self.out_features
-            )
         xk = x.to(KERNEL_DTYPE)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scales)
