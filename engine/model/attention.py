@@ -243,8 +243,8 @@ def paged_attention(
     The current step's keys/values must already be in the cache (see `write_kv`).
     """
     d = md.decode
-    fast = d is not None and kernel.available(q.device, q.dtype)
-    if fast and not md.prefills and d.rows == slice(0, q.shape[0]):  # a decode step: no copy into `out`
+    fast = kernel.available(q.device, q.dtype)
+    if d is not None and fast and not md.prefills and d.rows == slice(0, q.shape[0]):  # no copy into `out`
         with torch.profiler.record_function("ppserve::decode_attention"):  # named in profiles
             return kernel.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window)
     out = torch.empty_like(q)
