@@ -106,6 +106,20 @@ def test_kernel_equals_dequantize_then_matmul(bits: int, rows: int, dtype: torch
     assert err.max() > 0
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_ppserve_kernel_keeps_nan_and_infinity(bits: int) -> None:
+    """An input that is NaN or infinite cannot be rounded to int8: its row's outputs are NaN (the
+    float product's would be NaN or infinite), and the other rows are unaffected."""
+    if not cpu_kernels.quant_gemm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this CPU has no AVX-512 VNNI (or no compiler): torch's kernels run")
+    w = quantize_int8(torch.randn(40, 96) * 0.05) if bits == 8 else _int4(40, 96, seed=3)
+    linear = QuantLinear(w, None, torch.float32, torch.device("cpu"), "ppserve")
+    x = torch.randn(3, 96)
+    x[0, 5], x[2, 70] = float("nan"), float("inf")
+    y = linear(x)
+    assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+
+
 def test_int8_is_half_a_step_of_each_block() -> None:
     w = torch.randn(64, 96) * torch.logspace(-3, 0, 64)[:, None]
     qw = quantize_int8(w)

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <omp.h>
@@ -328,7 +329,14 @@ void quantize_acts(const T* x, int64_t rows, int64_t K, QuantActs& a) {
     for (int64_t b = r * blocks; b < (r + 1) * blocks; ++b) {
       const T* xb = x + b * kQBlock;
       float amax = 0.0f;
-      for (int64_t j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(to_float(xb[j])));
+      bool finite = true;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        amax = std::max(amax, std::fabs(to_float(xb[j])));
+        finite = finite && std::isfinite(to_float(xb[j]));
+      }
+      // A NaN or infinity cannot be rounded to int8: the block's scale carries it (a NaN) instead,
+      // so that every output of the row is NaN, as the float product's would be NaN or infinite.
+      if (!finite) amax = std::numeric_limits<float>::quiet_NaN();
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t qsum = 0;
       for (int64_t j = 0; j < kQBlock; ++j) {
