@@ -16,11 +16,15 @@ def table_quant_kernels(r: Sequence[Result]) -> list[str]:
     labels = {
         "float32": "float32, packed",
         "bfloat16": "bfloat16, packed",
-        "int8": "int8 per row (`_weight_int8pack_mm`)",
-        "int4": "int4, groups of 32 (`_weight_int4pack_mm_for_cpu`)",
+        "int8": "int8, blocks of 32, ppserve's kernel",
+        "int4": "int4, groups of 32, ppserve's kernel",
+        "int8-torch": "int8 per row, torch's `_weight_int8pack_mm`",
+        "int4-torch": "int4, groups of 32, torch's `_weight_int4pack_mm_for_cpu`",
     }
     rows = []
     for kind, label in labels.items():
+        if kind not in ms:  # a result from before a kind was measured
+            continue
         cells = [label]
         for m in rows_m:
             t = ms[kind][m]["layers_ms"] + ms[kind][m]["head_ms"]

@@ -111,11 +111,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = cfg.model_config.vocab_size
     prompts = [torch.randint(10, vocab, (a.context,), generator=gen).tolist() for _ in range(a.batch)]
-    params = SamplingParams(max_tokens=2 + warm_up + 2 * a.steps, temperature=0.0, ignore_eos=True)
+    # The early prompts decode while the later ones prefill (up to max_batched_tokens a step): those
+    # steps are not of the whole batch, so each request generates enough for 2 * steps after them.
+    prefill_steps = -(-a.batch * a.context // cfg.max_batched_tokens)
+    params = SamplingParams(max_tokens=2 + prefill_steps + warm_up + 2 * a.steps, temperature=0.0, ignore_eos=True)
     OfflineEngine(cfg, executor).generate(prompts, params)
     step_s = statistics.median(executor.times[timed.start : timed.stop])
     prof = executor.profile
-    assert prof is not None, "too few decode steps to profile"
+    assert prof is not None and executor.profiled_all, "too few decode steps of the whole batch to profile"
     groups: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():

@@ -31,6 +31,7 @@ class StepTimes(InProcessExecutor):
         self.profiled = profiled  # which decode steps (by index) to profile
         self.times: list[float] = []  # seconds per decode step of the whole batch
         self.profile: profile | None = None
+        self.profiled_all = False  # every step of `profiled` ran, and the profile stopped
 
     def run(self, plan: StepPlan) -> StepResult:
         if len(plan.chunks) != self.batch or any(c.num_new != 1 for c in plan.chunks):
@@ -45,6 +46,7 @@ class StepTimes(InProcessExecutor):
         self.times.append(time.perf_counter() - start)
         if self.profile is not None and step == self.profiled.stop - 1:
             self.profile.stop()
+            self.profiled_all = True
         if self.after_step is not None:
             self.after_step()
         return result
