@@ -120,6 +120,17 @@ def test_ppserve_kernel_keeps_nan_and_infinity(bits: int) -> None:
     assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
 
 
+def test_ppserve_kernel_takes_row_scales() -> None:
+    """An int8 weight with one scale per row runs in ppserve's kernel as that scale for each block."""
+    if not cpu_kernels.quant_gemm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this CPU has no AVX-512 VNNI (or no compiler): torch's kernels run")
+    rows = quantize_int8(torch.randn(24, 64) * 0.05, group=64)
+    blocks = QuantWeight(8, rows.q, rows.scales.expand(24, 2).contiguous())
+    x = torch.randn(5, 64)
+    per_row = QuantLinear(rows, None, torch.float32, torch.device("cpu"), "ppserve")(x)
+    assert torch.equal(per_row, QuantLinear(blocks, None, torch.float32, torch.device("cpu"), "ppserve")(x))
+
+
 def test_int8_is_half_a_step_of_each_block() -> None:
     w = torch.randn(64, 96) * torch.logspace(-3, 0, 64)[:, None]
     qw = quantize_int8(w)

@@ -133,7 +133,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `quant_gemm` runs here (the library is built, and with its quantized GEMM)."""
+    """Whether `QuantGemm` runs here (the library is built, and with its quantized GEMM)."""
     return available(device, dtype) and hasattr(load(), "quant_gemm_q4_f32")
 
 

@@ -44,7 +44,7 @@ class QuantWeight:
 
     bits: int  # 8 or 4
     q: torch.Tensor  # int8 [out, in] (bits 8) or uint8 [out, in] holding 0..15 (bits 4)
-    scales: torch.Tensor  # float32 [out, in / 32] (bits 8: [out, 1] where in is not a multiple of 32)
+    scales: torch.Tensor  # float32 [out, in / 32] (bits 8 also [out, 1]: one per row)
     zeros: torch.Tensor | None = None  # float32 [out, in / 32] (bits 4)
 
     @property
@@ -107,7 +107,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> Q
 
 
 def pack_lanes(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weights, scales, mins) laid out for cpu_kernels.quant_gemm (cpu_kernels.cpp draws the layout):
+    """(weights, scales, mins) laid out for cpu_kernels.QuantGemm (cpu_kernels.cpp draws the layout):
     output rows in groups of 16 (the last padded with zero rows), each group's blocks of 32 inputs
     with the 16 rows' bytes side by side; scales and mins float16 [groups, in / 32, 16]."""
     out, inp = weight.shape
@@ -118,14 +118,15 @@ def pack_lanes(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
         return F.pad(t, (0, 0, 0, pad)).view(groups, LANES, blocks).transpose(1, 2).contiguous().half()
 
     q = F.pad(weight.q, (0, 0, 0, pad))
+    scales = weight.scales.expand(out, blocks)  # a row's one scale (int8 per row) for each block
     if weight.bits == 4:
         assert weight.zeros is not None
         nibbles = q.view(groups, LANES, blocks, 2, 4, 4)  # input j = 16 * half + 4 * chunk + byte
         packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [groups, 16, blocks, chunk, byte]
         mins = weight.zeros - 8 * weight.scales  # w = q * scale + min
-        return packed.permute(0, 2, 3, 1, 4).contiguous(), lanes(weight.scales), lanes(mins)
+        return packed.permute(0, 2, 3, 1, 4).contiguous(), lanes(scales), lanes(mins)
     offset = (q.to(torch.int16) + 128).to(torch.uint8).view(groups, LANES, blocks, 8, 4)  # j = 4 * chunk + byte
-    return offset.permute(0, 2, 3, 1, 4).contiguous(), lanes(weight.scales), None
+    return offset.permute(0, 2, 3, 1, 4).contiguous(), lanes(scales), None
 
 
 class QuantLinear(nn.Module):
