@@ -136,7 +136,9 @@ def test_demo_model_is_prepared_once_and_served(
     try:
         code, _, raw = server.request("GET", "/v1/models")
         assert code == 200 and json.loads(raw)["data"][0]["id"] == DEMO_MODEL
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        # Asked "What is the capital of France?", the 4-bit demo drifts into French, as llama.cpp does
+        # on the same file (both round activations to 8 bits); this phrasing it answers.
+        body = {"messages": [{"role": "user", "content": "Name the capital of France."}], "temperature": 0}
         code, _, raw = server.request("POST", "/v1/chat/completions", body)
         choice = json.loads(raw)["choices"][0]
         assert code == 200 and choice["finish_reason"] == "stop", choice
