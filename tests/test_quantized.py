@@ -109,15 +109,18 @@ def test_kernel_equals_dequantize_then_matmul(bits: int, rows: int, dtype: torch
 @pytest.mark.parametrize("bits", [8, 4])
 def test_ppserve_kernel_keeps_nan_and_infinity(bits: int) -> None:
     """An input that is NaN or infinite cannot be rounded to int8: its row's outputs are NaN (the
-    float product's would be NaN or infinite), and the other rows are unaffected."""
+    float product's would be NaN or infinite), and the other rows are unaffected; a row of subnormal
+    inputs gives about zero."""
     if not cpu_kernels.quant_gemm_available(torch.device("cpu"), torch.float32):
         pytest.skip("this CPU has no AVX-512 VNNI (or no compiler): torch's kernels run")
     w = quantize_int8(torch.randn(40, 96) * 0.05) if bits == 8 else _int4(40, 96, seed=3)
     linear = QuantLinear(w, None, torch.float32, torch.device("cpu"), "ppserve")
-    x = torch.randn(3, 96)
+    x = torch.randn(4, 96)
     x[0, 5], x[2, 70] = float("nan"), float("inf")
+    x[3] = 1e-40  # subnormal: no overflow on the way to int8, and a product of about zero
     y = linear(x)
     assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+    assert y[3].abs().max() <= 1e-30
 
 
 def test_ppserve_kernel_takes_row_scales() -> None:

@@ -337,7 +337,8 @@ void quantize_acts(const T* x, int64_t rows, int64_t K, QuantActs& a) {
       // A NaN or infinity cannot be rounded to int8: the block's scale carries it (a NaN) instead,
       // so that every output of the row is NaN, as the float product's would be NaN or infinite.
       if (!finite) amax = std::numeric_limits<float>::quiet_NaN();
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      // A block of values below 1e-30 rounds to zero (127 / amax would overflow for subnormals).
+      const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
       int32_t qsum = 0;
       for (int64_t j = 0; j < kQBlock; ++j) {
         const int32_t v = static_cast<int32_t>(std::nearbyint(to_float(xb[j]) * inv));
