@@ -341,7 +341,8 @@ void quantize_acts(const T* x, int64_t rows, int64_t K, QuantActs& a) {
       const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
       int32_t qsum = 0;
       for (int64_t j = 0; j < kQBlock; ++j) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(to_float(xb[j]) * inv));
+        // (inv 0: a NaN/infinite or all-tiny block, whose products must not reach the int cast)
+        const int32_t v = inv == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(to_float(xb[j]) * inv));
         a.q[b * kQBlock + j] = static_cast<int8_t>(v);
         qsum += v;
       }
