@@ -243,10 +243,14 @@ def paged_attention(
     The current step's keys/values must already be in the cache (see `write_kv`).
     """
     d = md.decode
-    fast = kernel.available(q.device, q.dtype)
-    if d is not None and fast and not md.prefills and d.rows == slice(0, q.shape[0]):  # no copy into `out`
+    decoded = None
+    if d is not None and kernel.available(q.device, q.dtype):
         with torch.profiler.record_function("ppserve::decode_attention"):  # named in profiles
-            return kernel.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window)
+            decoded = kernel.decode_attention(
+                q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale, window
+            )
+        if not md.prefills and d.rows == slice(0, q.shape[0]):  # a decode step: the whole result
+            return decoded
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for group in md.prefills:
@@ -265,11 +269,8 @@ def paged_attention(
             enable_gqa=True,
         )
         out[group.rows] = o.squeeze(0).transpose(0, 1)
-    if d is not None and fast:
-        with torch.profiler.record_function("ppserve::decode_attention"):  # named in profiles
-            out[d.rows] = kernel.decode_attention(
-                q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale, window
-            )
+    if d is not None and decoded is not None:
+        out[d.rows] = decoded
     elif d is not None:
         batch = d.block_tables.shape[0]
         # keys: [batch, kv_heads, max_blocks * block_size, head_dim]; padding is masked out below.
