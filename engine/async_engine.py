@@ -31,6 +31,7 @@ import zmq
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.decode import DecodeRooms
 from ppserve.engine.disagg.prefill import PrefillRooms
+from ppserve.engine.model.grammar import CHECK_TIMEOUT_S, Grammars
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.runtime.core import EngineCore, Outputs
@@ -106,6 +107,7 @@ class AsyncEngine:
         self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
+        self._grammars: asyncio.Future[Grammars] | None = None  # checks SamplingParams.grammar (made at first use)
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -218,6 +220,8 @@ class AsyncEngine:
         `cache_salt` (1 to 256 characters): only requests with the same salt, or none, share
         cached prompt prefixes (a tenant's own); it changes no output."""
         params = params or SamplingParams()
+        if params.grammar:
+            await self.check_grammar(params.grammar)
         if isinstance(prompt, str):
             ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
         else:
@@ -259,6 +263,21 @@ class AsyncEngine:
         self._progress.set()
         self.wake()
 
+    async def check_grammar(self, grammar: str) -> None:
+        """ValueError with llguidance's reason unless `grammar` (SamplingParams.grammar) compiles
+        for this model's tokenizer; compiled once (then cached), off the event loop, and bounded
+        in time."""
+        if self._grammars is None:  # one for every request that waits for it
+            vocab = self.config.model_config.vocab_size
+            self._grammars = asyncio.ensure_future(asyncio.to_thread(Grammars, self.tokenizer.hf, vocab))
+        grammars = await asyncio.shield(self._grammars)
+        if grammars.cached(grammar):
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.check, grammar), CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(f"the grammar took longer than {CHECK_TIMEOUT_S:g} s to compile") from None
+
     @property
     def pool(self) -> StagePool:
         assert self._pool is not None, "the engine is not started"
@@ -296,6 +315,8 @@ class AsyncEngine:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary (size {vocab})")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
+            raise ValueError(f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary (size {vocab})")
         if params.prompt_logprobs is not None and self.config.disaggregation:
             raise ValueError("prompt_logprobs are not supported with prefill/decode disaggregation")
         mc = self.config.model_config

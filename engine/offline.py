@@ -51,6 +51,8 @@ class OfflineEngine:
 
     def request(self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
         mc = self.config.model_config
+        if params.grammar:
+            self.executor.sampler.grammars.check(params.grammar)  # ValueError: llguidance's reason
         return Request(
             request_id or str(next(self._ids)), list(prompt), params, mc.eos_token_ids, self.config.max_model_len
         )

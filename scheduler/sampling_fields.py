@@ -94,6 +94,8 @@ def fields_of(cls: type) -> tuple[FieldSpec, ...]:
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
+        if f.metadata.get("own_form"):  # a field each API spells its own way (see SamplingParams)
+            continue
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         out.append(_spec(f.name, hints[f.name], default))
     return tuple(out)

@@ -13,7 +13,7 @@ that it, the HTTP structs, the OpenAPI document and the flags all agree with the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from msgspec import Meta
@@ -43,6 +43,12 @@ StopString = Annotated[str, Meta(min_length=1)]
 # Fields that stay on the host, which decides when a request stops; the rest travel to the last
 # stage as WireSamplingParams.
 HOST_ONLY = frozenset({"max_tokens", "stop_token_ids", "stop", "ignore_eos"})
+# Fields with a form of their own in each API (OpenAI's `logit_bias` object, `response_format` and
+# `structured_outputs` for the grammar), checked in __post_init__ rather than derived (FIELDS
+# leaves them out: no CLI flag, no generated range). Both travel to the last stage.
+OWN_FORM = {"own_form": True}
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's values are in [-100, 100]
+MAX_GRAMMAR_CHARS = 128 * 1024  # llguidance's grammar text (engine/model/grammar.py builds it)
 
 
 def _doc(text: str) -> Meta:
@@ -75,6 +81,12 @@ class SamplingParams:
     # Matched on the host's text.
     stop: Annotated[tuple[StopString, ...], _doc("text that ends the output")] = ()
     ignore_eos: Annotated[bool, _doc("keep generating past EOS")] = False
+    # (token id, bias) pairs, each bias in [-100, 100] added to that token's logit before sampling
+    # (-100 bans the token, +100 all but forces it); sorted by id, one entry per id.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata=OWN_FORM)
+    # Constrained decoding: llguidance's grammar, from engine.model.grammar.build_grammar (a JSON
+    # schema, a regex, choices, EBNF); every token sampled keeps the output inside it.
+    grammar: str | None = field(default=None, metadata=OWN_FORM)
 
     def __post_init__(self) -> None:
         # The one check of every range, whoever builds the params: the HTTP layer, the CLI, an
@@ -82,6 +94,9 @@ class SamplingParams:
         # (`from_wire`). Each error names its field so the HTTP layer can return it as a 400.
         for spec in FIELDS:
             spec.check(getattr(self, spec.name))
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS):
+            raise ValueError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
 
     @classmethod
     def from_wire(cls, w: WireSamplingParams, **fields: object) -> SamplingParams:
@@ -101,8 +116,30 @@ class SamplingParams:
         values: dict[str, Any] = {}
         for name in WireSamplingParams.__struct_fields__:
             value = getattr(self, name)
-            values[name] = float(value) if BY_NAME[name].kind is float else value
+            if name == "logit_bias":
+                value = list(value)
+            elif name in BY_NAME and BY_NAME[name].kind is float:
+                value = float(value)
+            values[name] = value
         return WireSamplingParams(**values)
+
+
+def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as pairs sorted by token id; ValueError naming the field if an entry is out of range."""
+    try:
+        pairs = [(t, b) for t, b in (bias.items() if isinstance(bias, dict) else bias)]
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias must be (token id, bias) pairs") from None
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries, more than {MAX_LOGIT_BIAS}")
+    for t, b in pairs:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32:
+            raise ValueError(f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), got {t!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias has a token id more than once")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
 
 
 FIELDS: tuple[FieldSpec, ...] = fields_of(SamplingParams)

@@ -199,6 +199,15 @@ class ServerState:
         stream = engine.generate(prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt)
         return self.metrics.track(stream)
 
+    async def check_grammar(self, params: SamplingParams, field_name: str = "structured_outputs") -> None:
+        """A 400 naming `field_name` (where the constraint came from) and llguidance's reason
+        unless the request's grammar compiles: before anything is queued or sent."""
+        if params.grammar:
+            try:
+                await self.ready.check_grammar(params.grammar)
+            except ValueError as e:
+                raise ApiError(400, f"{field_name}: {e}", field_name) from None
+
     def disaggregation(self) -> dict[str, str] | None:
         """This server's side of a disaggregated pair, for /health (a router reads it)."""
         engine, mode = self.engine, self.config.disaggregation

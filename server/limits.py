@@ -9,8 +9,9 @@ the limit, before any tokenizing or compute. The limits are flags of `ppserve se
 maxLength).
 
 Bounded elsewhere: ids and `user` (protocol.py, fixed lengths), `n` (MAX_N), prompts x n
-(--max-waiting-requests), token-id prompts and text (the context length), and the fields taken
-only when empty (`logit_bias`, `tools`, `suffix`). Value ranges are SamplingParams' own.
+(--max-waiting-requests), token-id prompts and text (the context length), `suffix` (taken only
+when empty), `logit_bias` (SamplingParams), `tools` (tool_calls.py), and constraints' schemas,
+regexes and grammars (engine/model/grammar.py). Value ranges are SamplingParams' own.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id
     else:
         ids = await state.encode(body.prompt(), "text")
     params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=default))
+    await state.check_grammar(params)
     return state.submit(ids, params, request_id, cache_salt=salt)
 
 

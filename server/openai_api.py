@@ -20,7 +20,7 @@ from aiohttp import web
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
-from ppserve.server import tokens
+from ppserve.server import tokens, tool_calls
 from ppserve.server.app import STATE, TENANT, ServerState
 from ppserve.server.limits import decode_request
 from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
@@ -115,6 +115,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             )
         max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
         params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
+        await state.check_grammar(params, _constraint_field(body))
         streams += _choices(state, ids, params, body.n, rid, len(streams), salt)
         text = ""  # echo only: decoding a long token-id prompt is not free
         if body.echo:
@@ -221,26 +222,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, body, salt = await _read(request, ChatRequest)
     tokenizer = state.ready.tokenizer
     state.check_count(body.n, "n")
+    mode = body.tool_mode
+    tools = body.tools if mode else None  # tool_choice "none": the model is not told of them
+    messages, template_tools = tool_calls.chat_prompt(body.chat_messages(), tools, tokenizer.hf.chat_template)
     ids = await tokens.encode_chat(
-        tokenizer, body.chat_messages(), body.add_generation_prompt, state.config.max_model_len
+        tokenizer, messages, body.add_generation_prompt, state.config.max_model_len, template_tools
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
+    await state.check_grammar(params, _constraint_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = _choices(state, ids, params, body.n, rid, 0, salt)
     base = _header(state, rid, "chat.completion")
+
+    def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The reply's message and finish reason: tool calls where the reply is calls."""
+        calls = tool_calls.parse_calls(text, body.tools) if body.tools and mode and finish == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
     if not body.stream:
         results = await collect(streams)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": _chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None,
-                "finish_reason": r.finish_reason,
-            }
-            for i, r in enumerate(results)
-        ]
+        choices = []
+        for i, r in enumerate(results):
+            msg, finish = message(r.text, r.finish_reason)
+            logprobs = _chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None
+            choices.append({"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish})
         usage = _usage(len(ids), sum(r.completion_tokens for r in results), results[0].cached_tokens)
         return web.json_response({**base, "choices": choices, "usage": usage})
 
@@ -249,6 +258,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         extra = {"usage": None} if body.include_usage else {}
         completion_tokens, cached = 0, 0
+        # With tools, a choice's text is held back while it may still turn out to be calls
+        # (always, when decoding is constrained to calls): calls are sent whole, in one delta.
+        held: list[str | None] = ["" if mode else None for _ in range(body.n)]
         for i in range(body.n):  # OpenAI opens each choice with the role
             yield {**base, "choices": [_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)], **extra}
         async with aclosing(merge(streams)) as outputs:
@@ -257,12 +269,38 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 if i == 0:
                     cached = out.cached_tokens
                 logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
-                delta = {"content": out.text} if out.text or not out.finished else {}
-                yield {**base, "choices": [_chunk_choice(i, delta, logprobs, out)], **extra}
+                text, finish = out.text, out.finish_reason
+                delta: dict[str, Any] = {"content": text} if text or not out.finished else {}
+                if (so_far := held[i]) is not None:
+                    so_far += text
+                    if out.finished:
+                        msg, finish = message(so_far, finish)
+                        calls = msg.get("tool_calls")
+                        delta = {"tool_calls": _call_deltas(calls)} if calls else {"content": so_far}
+                        held[i] = None
+                    elif mode == "auto" and not tool_calls.may_be_calls(so_far):
+                        delta, held[i] = {"content": so_far}, None
+                    else:
+                        delta, held[i] = {}, so_far
+                if not delta and not out.finished and logprobs is None:
+                    continue
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                yield {**base, "choices": [choice], **extra}
         if body.include_usage:
             yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)}
 
     return await sse_response(request, events())
+
+
+def _call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as stream deltas: OpenAI's clients join them by `index`."""
+    return [{"index": k, **call} for k, call in enumerate(calls)]
+
+
+def _constraint_field(body: CompletionRequest | ChatRequest) -> str:
+    """The request field a grammar came from (errors name it)."""
+    given = body.constraint()
+    return given[0] if given else "structured_outputs"
 
 
 def _chunk_choice(

@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ppserve.scheduler.sampling_params import FIELDS
+from ppserve.engine.model.grammar import MAX_CHOICES
+from ppserve.scheduler.sampling_params import FIELDS, MAX_LOGIT_BIAS
 from ppserve.server.app import STATE
 from ppserve.server.limits import RequestLimits
 from ppserve.server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
@@ -36,6 +37,7 @@ from ppserve.server.responses import (
     PipelineView,
     WsEvent,
 )
+from ppserve.server.tool_calls import MAX_TOOLS
 
 REF = "#/components/schemas/{name}"
 
@@ -271,10 +273,11 @@ _RANGES: dict[str, dict[str, dict[str, Any]]] = {
     "n": {"integer": {"minimum": 1, "maximum": MAX_N}},
     "text": {"string": {"minLength": 1}},
     "input_ids": _IDS,
-    # OpenAI fields taken for compatibility, only when empty:
+    # An OpenAI field taken for compatibility, only when empty:
     "suffix": {"string": {"maxLength": 0}},
-    "logit_bias": {"object": {"maxProperties": 0}},
-    "tools": {"array": {"maxItems": 0}},
+    "logit_bias": {"object": {"maxProperties": MAX_LOGIT_BIAS}},
+    "tools": {"array": {"minItems": 1, "maxItems": MAX_TOOLS}},
+    "choice": {"array": {"minItems": 1, "maxItems": MAX_CHOICES}},
 }
 # OpenAI's names for fields of SamplingParams that the API spells otherwise.
 _SAMPLING_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}

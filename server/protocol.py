@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from ppserve.engine.model.grammar import build_grammar
 from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS
 from ppserve.scheduler.sampling_params import (
     MAX_INT32,
@@ -25,6 +26,8 @@ from ppserve.scheduler.sampling_params import (
     TokenCount,
     TokenId,
 )
+from ppserve.server.structured import ResponseFormat, StructuredOutputs
+from ppserve.server.tool_calls import Tool, ToolCall, ToolChoice, calls_schema, check_tools
 
 T = TypeVar("T")
 MAX_N = 16  # choices per request (each is a full request in the engine)
@@ -113,11 +116,41 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float = _DEFAULT.frequency_penalty
     repetition_penalty: float = _DEFAULT.repetition_penalty
     ignore_eos: bool = _DEFAULT.ignore_eos
+    # OpenAI's: token id (as a string) -> bias in [-100, 100]; checked by SamplingParams.
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> tuple[str, tuple[str, Any]] | None:
+        """The output's constraint, if any: (the request field it came from, (kind, spec))."""
+        c = self.structured_outputs.constraint() if self.structured_outputs else None
+        return ("structured_outputs", c) if c else None
+
+    def grammar(self) -> str | None:
+        given = self.constraint()
+        if given is None:
+            return None
+        field_name, (kind, spec) = given
+        try:
+            return build_grammar(kind, spec)
+        except ValueError as e:
+            raise ApiError(400, f"{field_name}: {e}", field_name) from None
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        try:
+            return SamplingParams(logit_bias=tuple(pairs)).logit_bias
+        except ValueError as e:
+            raise ApiError(400, str(e), "logit_bias") from None
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        logit_bias, grammar = self._logit_bias(), self.grammar()
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -134,6 +167,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
                 stop_token_ids=tuple(self.stop_token_ids),
                 stop=tuple(stop),
                 ignore_eos=self.ignore_eos,
+                logit_bias=logit_bias,
+                grammar=grammar,
             )
         except ValueError as e:
             raise invalid(str(e)) from None
@@ -145,14 +180,19 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: ShortText | None = None
-    logit_bias: dict[str, float] | None = None
     cache_salt: CacheSalt | None = None
+    response_format: ResponseFormat | None = None
+
+    def constraint(self) -> tuple[str, tuple[str, Any]] | None:
+        own = self.response_format.constraint() if self.response_format else None
+        other = super().constraint()
+        if own and other:
+            raise ApiError(400, "give one of response_format and structured_outputs", "response_format")
+        return ("response_format", own) if own else other
 
     def check(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {self.n}", "n")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
 
@@ -201,6 +241,9 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: ShortText | None = None  # a tool's result: the call it answers
+    name: ShortText | None = None
 
     def text(self) -> str:
         """Plain text content; content parts must all be text."""
@@ -215,10 +258,19 @@ class ChatMessage(msgspec.Struct):
 
 
 def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation as the chat template takes it (for /v1/chat/completions and ws `chat`)."""
+    """The conversation as the chat template takes it (for /v1/chat/completions and ws `chat`);
+    tool calls as Hugging Face templates take them (arguments as an object)."""
     if not messages:
         raise ApiError(400, "messages must not be empty", "messages")
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [c.template_form() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 class ChatRequest(_OpenAIRequest, kw_only=True):
@@ -228,14 +280,32 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise ApiError(400, "messages must not be empty", "messages")
-        if self.tools:
-            raise ApiError(400, "tools are not supported", "tools")
+        check_tools(self.tools, self.tool_choice)
+
+    @property
+    def tool_mode(self) -> ToolChoice | None:
+        """None without tools (or with tool_choice "none"), else "auto", "required" or a name."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tool_choice or "auto"
+
+    def constraint(self) -> tuple[str, tuple[str, Any]] | None:
+        other = super().constraint()
+        mode = self.tool_mode
+        schema = calls_schema(self.tools, mode, self.parallel_tool_calls) if self.tools and mode else None
+        if schema is None:
+            return other
+        if other:
+            raise ApiError(400, f"tool_choice {mode!r} constrains the output; {other[0]} cannot too", other[0])
+        return "tools", ("json", schema)
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 

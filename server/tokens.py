@@ -40,13 +40,18 @@ async def encode(
 
 
 async def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, max_model_len: int
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    max_model_len: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The chat template's token ids for `messages`. The template may drop or rewrite parts of
-    the messages, so the length check applies to the rendered text, not to the messages."""
-    large = sum(len(m["content"]) for m in messages) > INLINE_CHARS
+    """The chat template's token ids for `messages` (and `tools`, for a template that renders
+    them). The template may drop or rewrite parts of the messages, so the length check applies
+    to the rendered text, not to the messages."""
+    large = sum(len(m["content"]) for m in messages) > INLINE_CHARS or tools is not None
     try:
-        text = await off_loop(large, tokenizer.render_chat, messages, add_generation_prompt)
+        text = await off_loop(large, tokenizer.render_chat, messages, add_generation_prompt, tools)
     except ValueError as e:  # no chat template
         raise ApiError(400, str(e), "messages") from None
     except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)

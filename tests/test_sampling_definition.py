@@ -5,6 +5,7 @@ in one place only fails here."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from typing import Any
 
@@ -12,7 +13,7 @@ import msgspec
 import pytest
 
 from ppserve.scheduler.sampling_fields import FieldSpec
-from ppserve.scheduler.sampling_params import BY_NAME, FIELDS, HOST_ONLY, SamplingParams
+from ppserve.scheduler.sampling_params import BY_NAME, FIELDS, HOST_ONLY, OWN_FORM, SamplingParams
 from ppserve.server.cli import build_parser
 from ppserve.server.cli_sampling import NOT_FLAGS, sampling_params
 from ppserve.server.openapi import openapi_schema
@@ -35,6 +36,8 @@ ODD = SamplingParams(
     stop_token_ids=(9,),
     stop=("end",),
     ignore_eos=True,
+    logit_bias=((5, -100.0), (9, 2.5)),
+    grammar='start: "yes" | "no"',
 )
 # HTTP spellings: a list for a tuple, and OpenAI's own forms of some fields (checked below).
 _HTTP_ONLY = {"max_tokens", "logprobs", "prompt_logprobs"}
@@ -47,9 +50,13 @@ def test_every_field_differs_from_its_default_in_odd() -> None:
 
 def test_the_wire_struct_is_every_field_the_last_stage_needs() -> None:
     wire = msgspec.structs.fields(WireSamplingParams)
-    assert {f.name for f in wire} == {s.name for s in FIELDS} - HOST_ONLY
+    own = {f.name for f in dataclasses.fields(SamplingParams) if f.metadata == OWN_FORM}
+    assert own == {"logit_bias", "grammar"}
+    assert {f.name for f in wire} == {s.name for s in FIELDS} - HOST_ONLY | own
     hints = typing.get_type_hints(WireSamplingParams)
     for f in wire:
+        if f.name in own:
+            continue
         spec = BY_NAME[f.name]
         assert hints[f.name] == (spec.kind | None if spec.optional else spec.kind), f.name
         if f.default is not msgspec.NODEFAULT:

@@ -40,9 +40,9 @@ class _SpyTokenizer(Tokenizer):
         self.calls.append(("decode", threading.get_ident()))
         return super().decode(token_ids, skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None) -> str:
         self.calls.append(("render", threading.get_ident()))
-        return super().render_chat(messages, add_generation_prompt)
+        return super().render_chat(messages, add_generation_prompt, tools)
 
 
 async def test_large_inputs_are_tokenized_off_the_loop(llama_dir: Path) -> None:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 7: plans carry block-table diffs (SeqChunk.blocks, StepPlan.preempted)
+PROTOCOL_VERSION = 8  # 8: WireSamplingParams.logit_bias and .grammar
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -62,6 +62,8 @@ class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
     logprobs: int | None
     prompt_logprobs: int | None = None  # top N scored at each prompt position (see PromptTargets)
     repetition_penalty: float = 1.0  # 1 = off; otherwise NewRequest carries the prompt's token ids
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias in [-100, 100]), sorted by id
+    grammar: str | None = None  # llguidance's grammar: the last stage masks the tokens it forbids
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):

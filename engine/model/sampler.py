@@ -1,9 +1,17 @@
-"""Sampling on the last stage: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Sampling on the last stage: logit bias, grammars, penalties, temperature, top-k / top-p /
+min-p, seeds, logprobs.
 
-Order, per row (vLLM's): the repetition penalty (over the prompt's and the generated tokens), then
+Order, per row: the logit bias, then the grammar's mask (tokens it forbids get -inf), then
+(vLLM's order) the repetition penalty (over the prompt's and the generated tokens), then
 presence/frequency penalties (over the generated tokens only), then greedy
 argmax or temperature -> top-k -> top-p (on the top-k-renormalised distribution) -> min-p -> draw.
-Logprobs are of the raw model distribution (before penalties and temperature).
+Logprobs are of the raw model distribution (before bias, mask, penalties and temperature).
+
+A request with a grammar has a matcher here (engine/model/grammar.py) that consumes each token it
+samples. Its next mask is computed on a thread of its own as soon as the plan arrives
+(`prepare`), while earlier stages, or this stage's own layers, compute the micro-batch; sampling
+only waits for it. A re-announced request's matcher consumes the tokens generated before, so a
+replaced last stage constrains exactly as the old one would have.
 
 A seeded request draws its own noise row every step from a generator seeded with (seed, step),
 so its output depends on its seed, its step and its logits only: never on what else is in the
@@ -12,13 +20,24 @@ batch, and never on the sampler's history (a replaced last stage carries on exac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ppserve.scheduler.sampling_params import GREEDY_BELOW
+from ppserve.transport.messages import StepPlan
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from ppserve.engine.model.grammar import Grammars
+
+log = logging.getLogger(__name__)
 
 
 class SamplerParams(Protocol):
@@ -44,6 +63,10 @@ class SamplerParams(Protocol):
     def logprobs(self) -> int | None: ...
     @property
     def prompt_logprobs(self) -> int | None: ...
+    @property
+    def logit_bias(self) -> Sequence[tuple[int, float]]: ...
+    @property
+    def grammar(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +84,20 @@ class _RequestState:
         device: torch.device,
         output_token_ids: Sequence[int] = (),
         prompt_token_ids: Sequence[int] = (),
+        matcher: llguidance.LLMatcher | None = None,
     ) -> None:
         self.params = params
         self.step = len(output_token_ids)  # tokens sampled so far
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids [n] long, biases [n] float32)
+        if params.logit_bias:
+            kept = [(t, b) for t, b in params.logit_bias if t < vocab_size]  # the host checked; never index out
+            self.bias = (
+                torch.tensor([t for t, _ in kept], dtype=torch.long, device=device),
+                torch.tensor([b for _, b in kept], dtype=torch.float32, device=device),
+            )
+        self.matcher = matcher  # at the grammar's start: consumes the tokens generated before
+        if matcher is not None and output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
+            log.warning("a re-announced request's tokens do not fit its grammar: %s", matcher.get_error())
         self.counts = None  # counts: [vocab] float32, of generated tokens
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -99,12 +133,54 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, grammars: Callable[[], Grammars] | None = None) -> None:
+        """`grammars`: makes the model's Grammars (loading its tokenizer) when the first request
+        with a grammar comes; None: such requests are refused."""
         self.vocab_size = vocab_size
         self.device = device
         self._requests: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
+        self._make_grammars = grammars
+        self._grammars: Grammars | None = None
+        self._making = threading.Lock()
+        self._thread: ThreadPoolExecutor | None = None  # grammar work: compiling, masks
+        # Masks started by `prepare`: request id -> (its state and step then, the future's row).
+        self._prepared: dict[str, tuple[_RequestState | str, int, Future[torch.Tensor], int]] = {}
+
+    @property
+    def grammars(self) -> Grammars:
+        with self._making:  # `prepare` (the event loop) and `sample` (the compute thread) may both ask first
+            if self._grammars is None:
+                if self._make_grammars is None:
+                    raise ValueError("this engine has no tokenizer for grammars")
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+                self._grammars = self._make_grammars()
+        return self._grammars
+
+    def prepare(self, plan: StepPlan) -> None:
+        """Start the grammar masks of `plan`'s sampled rows on the grammar thread, so that they are
+        ready when its logits are (call it as the plan arrives, before its forward). Rows whose
+        mask is not started here are masked when sampled."""
+        starts: dict[str, str] = {n.request_id: n.params.grammar for n in plan.new_requests if n.params.grammar}
+        if not starts and self._grammars is None:
+            return  # no request has had a grammar yet: nothing to look up
+        sampled = [c.request_id for c in plan.chunks if c.sample]
+        grammars = self.grammars
+        assert self._thread is not None
+        rows: list[tuple[str, _RequestState]] = []
+        for rid in sampled:
+            if rid in starts:  # announced in this plan: its first mask is its grammar's, cached
+                grammar = starts[rid]
+                self._prepared[rid] = (grammar, 0, self._thread.submit(grammars.first_mask, grammar), -1)
+            elif (state := self._requests.get(rid)) is not None and state.matcher is not None:
+                rows.append((rid, state))
+        for grammar in set(starts.values()):  # compile early, whether or not this plan samples it
+            self._thread.submit(grammars.first_mask, grammar)
+        if rows:
+            future = self._thread.submit(grammars.masks, [state.matcher for _, state in rows])  # type: ignore[misc]
+            for i, (rid, state) in enumerate(rows):
+                self._prepared[rid] = (state, state.step, future, i)
 
     def add_request(
         self,
@@ -115,16 +191,19 @@ class Sampler:
     ) -> None:
         """`output_token_ids`: tokens the request generated before (when it is re-announced);
         `prompt_token_ids`: its prompt, needed only with a repetition penalty."""
+        matcher = self.grammars.matcher(params.grammar) if params.grammar else None
         self._requests[request_id] = _RequestState(
-            params, self.vocab_size, self.device, output_token_ids, prompt_token_ids
+            params, self.vocab_size, self.device, output_token_ids, prompt_token_ids, matcher
         )
 
     def clear(self) -> None:
         """Forget every request (the pipeline was reset; they are announced again)."""
         self._requests.clear()
+        self._prepared.clear()
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._prepared.pop(request_id, None)
 
     def prompt_logprobs(self, request_id: str) -> int:
         """How many top logprobs each of the request's prompt tokens gets (0: its own only)."""
@@ -136,6 +215,7 @@ class Sampler:
         want_logprobs = [s.params.logprobs is not None for s in states]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        logits = self._constrain(request_ids, states, logits)
         logits = apply_penalties(logits, states)
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_BELOW]
         if len(greedy) == len(states):  # the common all-greedy batch: no row gather
@@ -157,6 +237,8 @@ class Sampler:
         out: list[Sample] = []
         for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
             state.step += 1
+            if state.matcher is not None and not state.matcher.consume_token(token):
+                log.warning("sampled token %d breaks its grammar: %s", token, state.matcher.get_error())
             if state.counts is not None:
                 state.counts[token] += 1
             if state.seen is not None:
@@ -171,6 +253,53 @@ class Sampler:
                 top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
             out.append(Sample(token, float(row[token]), top))
         return out
+
+    def _constrain(
+        self, request_ids: Sequence[str], states: Sequence[_RequestState], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """logits with each row's bias added and what its grammar forbids set to -inf (a copy,
+        when any row has either)."""
+        biased = [i for i, s in enumerate(states) if s.bias is not None]
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not biased and not constrained:
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            ids, values = states[i].bias  # type: ignore[misc]
+            logits[i].index_add_(0, ids, values)
+        if constrained:
+            masks = torch.stack([self._mask(request_ids[i], states[i]) for i in constrained])
+            allowed = unpack_mask(masks, self.vocab_size).to(logits.device)  # [rows, vocab] bool
+            # A grammar in an error state allows nothing: end the output rather than sample noise.
+            empty = ~allowed.any(dim=-1)
+            if empty.any():
+                allowed[empty, self.grammars.eos_token_id] = True
+            rows = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def _mask(self, request_id: str, state: _RequestState) -> torch.Tensor:
+        """The request's next-token bitmask [words] int32: the one `prepare` started if it still
+        belongs to this state at this step, else computed now."""
+        prepared = self._prepared.pop(request_id, None)
+        if prepared is not None:
+            owner, step, future, row = prepared
+            mask = future.result()
+            if row < 0 and state.step == 0 and owner == state.params.grammar:
+                return mask  # the grammar's first mask
+            if owner is state and step == state.step:
+                return mask[row]
+        assert state.matcher is not None
+        return self.grammars.masks([state.matcher])[0]
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_mask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmasks [rows, words] int32 -> allowed [rows, vocab_size] bool (bit t % 32 of word t // 32)."""
+    bits = (masks.unsqueeze(-1) >> _SHIFTS) & 1  # [rows, words, 32]
+    return bits.reshape(masks.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[_RequestState]) -> torch.Tensor:

@@ -71,12 +71,25 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[Any, Any]] | None = None,
+    ) -> str:
         """The chat template's text for `messages` (what `apply_chat_template` tokenizes), so a
-        caller can look at its length before paying for tokenization."""
+        caller can look at its length before paying for tokenization. `tools`: OpenAI's, for a
+        template that renders them."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
-        return str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+        return str(
+            self.hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,  # type: ignore[arg-type]  # transformers' hint is invariant in the list
+            )
+        )
 
     @cached_property
     def max_token_chars(self) -> int:

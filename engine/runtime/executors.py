@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.model.sampler import Sampler
-from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler, prompt_rows
 from ppserve.engine.runtime.stage_pool import StagePool
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.transport.messages import SeqChunk, StepPlan, StepResult
@@ -29,7 +28,7 @@ class InProcessExecutor:
         self.config = config
         self.runners = [StageRunner(config, i) for i in range(config.pp_size)]
         # The last stage's sampling state: the stage processes keep the same (stage_worker.py).
-        self.sampler = Sampler(config.model_config.vocab_size, torch.device(config.device))
+        self.sampler = make_sampler(config)
         self._plans: deque[StepPlan] = deque()
         self._woken = False  # a plan or a wake-up came since the last `next_result`
         self._waiter: asyncio.Future[None] | None = None  # while `next_result` waits for one
@@ -50,6 +49,7 @@ class InProcessExecutor:
         """A plan, run as the stage processes run it (without timings): each runner applies the
         plan's block-table changes to the tables it keeps, in plan order."""
         rows = prompt_rows(plan)
+        self.sampler.prepare(plan)  # grammar masks: computed while the stages run
         logits: torch.Tensor | None = None
         for runner in self.runners:
             logits = runner.execute_plan(plan, logits, prompt_rows=rows)

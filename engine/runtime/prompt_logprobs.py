@@ -1,4 +1,5 @@
-"""The last stage's work on a plan: sampling, and prompt logprobs where a plan asks for them.
+"""The last stage's work on a plan: sampling (its sampler: `make_sampler`), and prompt logprobs
+where a plan asks for them.
 
 Prompt logprobs are computed chunk by chunk, like any prefill: in a chunk covering positions
 [s, s + n), logits row j predicts the token at s + j + 1. The plan's `PromptTargets` name those
@@ -13,10 +14,18 @@ import itertools
 
 import torch
 
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.grammar import Grammars
 from ppserve.engine.model.sampler import Sampler
 from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan
 
 SLICE_ROWS = 64  # rows scored at a time
+
+
+def make_sampler(config: EngineConfig) -> Sampler:
+    """The last stage's sampler for `config`'s model, its grammars over the model's tokenizer."""
+    vocab = config.model_config.vocab_size
+    return Sampler(vocab, torch.device(config.device), lambda: Grammars.for_model(config.model, vocab))
 
 
 def prompt_rows(plan: StepPlan) -> list[int]:

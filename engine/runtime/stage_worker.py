@@ -37,7 +37,7 @@ from ppserve.engine.disagg.kv_service import KvExporter, KvImporter
 from ppserve.engine.runtime.cpu_affinity import pin_stage
 from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
-from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, prompt_rows
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler, prompt_rows
 from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
 from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses, tcp_address
@@ -339,9 +339,7 @@ class StageWorker:
         if self.config.dynamic_chunking:
             profile = await loop.run_in_executor(self.compute_pool, self._profile)
         if self.last:
-            from ppserve.engine.model.sampler import Sampler
-
-            self.sampler = Sampler(self.config.model_config.vocab_size, torch.device(self.config.device))
+            self.sampler = make_sampler(self.config)
         copies = self._copies
         if launch.inbound is not None:
             self.inbound = open_channel(self.ctx, launch.inbound, sender=False, guard=self.link_guard, executor=copies)
@@ -371,6 +369,8 @@ class StageWorker:
             if msg is None:
                 await received.put(None)
                 return
+            if self.last:  # the grammars' masks compute while the earlier stages do
+                self.sampler.prepare(msg)
             header, hidden = None, None
             if self.inbound is not None:
                 rows = sum(c.num_new for c in msg.chunks)

@@ -1,0 +1,61 @@
+"""The API's forms of a constraint on the output: vLLM's `structured_outputs` and OpenAI's
+`response_format` (chat and completions alike), each read into (kind, spec) for
+engine/model/grammar.py's `build_grammar`. Tools are the third form (server/tool_calls.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+ShortText = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+def _error(message: str, field: str) -> Exception:
+    from ppserve.server.protocol import ApiError  # protocol imports these structs
+
+    return ApiError(400, message, field)
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one constraint on the output (engine/model/grammar.py)."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (llama.cpp's GBNF) or Lark
+    json_object: bool | None = None  # any JSON object
+
+    def constraint(self) -> tuple[str, Any] | None:
+        given = [(k, v) for k, v in msgspec.structs.asdict(self).items() if v is not None and v is not False]
+        if len(given) > 1:
+            raise _error(
+                "structured_outputs takes one of json, regex, choice, grammar, json_object", "structured_outputs"
+            )
+        if not given:
+            return None
+        kind, spec = given[0]
+        return kind, spec
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: ShortText = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is enforced either way
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> tuple[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return "json_object", True
+        if self.json_schema is None or self.json_schema.schema is None:
+            raise _error("response_format of type json_schema needs json_schema.schema", "response_format")
+        return "json", self.json_schema.schema

@@ -1,0 +1,222 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, EBNF) and logit_bias, through the
+sampler, the in-process pipeline and the stage processes, exact across PP sizes and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import string
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_pipeline import wait_until
+
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.grammar import MAX_SPEC_CHARS, build_grammar
+from ppserve.engine.model.tokenizer import Tokenizer
+from ppserve.engine.offline import OfflineEngine
+from ppserve.scheduler.sampling_params import SamplingParams
+
+# ---- schemas a small model can always finish: strings, arrays and integers are bounded ------
+
+_NAME = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=8)
+_LEAF = st.one_of(
+    st.just({"type": "integer", "minimum": 0, "maximum": 999}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "string", "maxLength": 12}),
+    st.lists(_NAME, min_size=1, max_size=4, unique=True).map(lambda xs: {"enum": xs}),
+)
+
+
+def _object(children: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    props = st.dictionaries(_NAME, children, min_size=1, max_size=3)
+    return props.flatmap(
+        lambda p: st.lists(st.sampled_from(sorted(p)), unique=True).map(
+            lambda required: {"type": "object", "properties": p, "required": required, "additionalProperties": False}
+        )
+    )
+
+
+def _extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(children.map(lambda c: {"type": "array", "items": c, "maxItems": 3}), _object(children))
+
+
+SCHEMAS = _object(st.recursive(_LEAF, _extend, max_leaves=6))
+
+
+def _fifty_schemas() -> list[dict[str, Any]]:
+    """50 schemas drawn by hypothesis from a fixed seed (the same ones every run)."""
+    drawn: list[list[dict[str, Any]]] = []
+
+    @settings(derandomize=True, max_examples=1, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(SCHEMAS, min_size=50, max_size=50))
+    def draw(schemas: list[dict[str, Any]]) -> None:
+        drawn.append(schemas)
+
+    draw()
+    return drawn[-1]
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+# ---- the grammar builders -------------------------------------------------------------
+
+
+def test_build_grammar_refuses_bad_specs_naming_the_problem() -> None:
+    with pytest.raises(ValueError, match="invalid JSON schema"):
+        build_grammar("json", "{not json")
+    with pytest.raises(ValueError, match="non-empty list"):
+        build_grammar("choice", [])
+    with pytest.raises(ValueError, match="unknown constraint"):
+        build_grammar("xml", "x")
+    with pytest.raises(ValueError, match=f"more than {MAX_SPEC_CHARS}"):
+        build_grammar("regex", "a" * (MAX_SPEC_CHARS + 1))
+    with pytest.raises(ValueError, match="Rule 'foo' not found"):
+        build_grammar("grammar", "root ::= foo")
+
+
+def test_logit_bias_is_checked_and_sorted() -> None:
+    assert SamplingParams(logit_bias=((9, 1), (3, -100))).logit_bias == ((3, -100.0), (9, 1.0))
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias=((3, 101),))
+    with pytest.raises(ValueError, match="more than once"):
+        SamplingParams(logit_bias=((3, 1), (3, 2)))
+
+
+# ---- through the in-process pipeline (the tiny model) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(llama_dir: Path) -> tuple[OfflineEngine, OfflineEngine, Tokenizer]:
+    make = lambda pp: OfflineEngine(EngineConfig.create(llama_dir, pp_size=pp, num_kv_blocks=256))  # noqa: E731
+    return make(1), make(2), Tokenizer(llama_dir)
+
+
+def test_regex_and_choice_hold_on_random_weights_and_equal_across_pp(
+    tiny: tuple[OfflineEngine, OfflineEngine, Tokenizer],
+) -> None:
+    pp1, pp2, tok = tiny
+    prompts = [tok.encode(f"prompt number {i}") for i in range(6)]
+    cases = [
+        ("regex", r"[0-9]{2,4}-[a-z]{3}", lambda s: re.fullmatch(r"[0-9]{2,4}-[a-z]{3}", s)),
+        ("choice", ["alpha", "beta gamma", "delta"], lambda s: s in ("alpha", "beta gamma", "delta")),
+        ("grammar", 'root ::= "(" [a-c] [a-c]? [a-c]? ")"', lambda s: re.fullmatch(r"\([a-c]{1,3}\)", s)),
+    ]
+    for kind, spec, ok in cases:
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=24, temperature=temperature, seed=4, grammar=build_grammar(kind, spec))
+            one, two = pp1.generate(prompts, params), pp2.generate(prompts, params)
+            assert [g.token_ids for g in one] == [g.token_ids for g in two]
+            for g in one:
+                text = tok.decode(g.token_ids)
+                assert g.finish_reason == "stop" and ok(text), (kind, text)
+
+
+def test_logit_bias_bans_and_forces(tiny: tuple[OfflineEngine, OfflineEngine, Tokenizer]) -> None:
+    pp1, _, tok = tiny
+    prompt = tok.encode("the same prompt")
+    free = pp1.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    banned = free[0]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, logit_bias=((banned, -100),))
+    assert all(banned not in g.token_ids for g in pp1.generate([prompt] * 4, params))
+    forced = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, logit_bias=((77, 100),))
+    assert all(g.token_ids == [77] * 8 for g in pp1.generate([prompt] * 4, forced))
+
+
+# ---- the demo model, in stage processes --------------------------------------------------
+
+
+def _demo_config(model: Path, pp: int, **kw: Any) -> EngineConfig:
+    return EngineConfig.create(model, pp_size=pp, threads_per_stage=1, num_kv_blocks=512, **kw)
+
+
+async def _texts(engine: AsyncEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[str]:
+    """Each request's whole output text, all run at once; every one must end on its own (stop)."""
+
+    async def one(prompt: list[int], p: SamplingParams) -> tuple[list[int], str | None]:
+        ids: list[int] = []
+        finish = None
+        async for out in engine.generate(prompt, p):
+            ids += out.token_ids
+            finish = out.finish_reason
+        return ids, finish
+
+    results = await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params, strict=True)))
+    assert all(finish == "stop" for _, finish in results), [f for _, f in results]
+    return [engine.tokenizer.decode(ids) for ids, _ in results]
+
+
+def _schema_requests(tok: Tokenizer) -> tuple[list[dict[str, Any]], list[list[int]], list[SamplingParams]]:
+    schemas = _fifty_schemas()
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": f"Reply with JSON for: {json.dumps(s)}"}]) for s in schemas
+    ]
+    params = [
+        SamplingParams(max_tokens=400, temperature=0.8, seed=i, grammar=build_grammar("json", s))
+        for i, s in enumerate(schemas)
+    ]
+    return schemas, prompts, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 3])
+async def test_fifty_random_schemas_always_validate(smollm2_gguf: Path, pp: int) -> None:
+    async with AsyncEngine(_demo_config(smollm2_gguf, pp)) as engine:
+        schemas, prompts, params = _schema_requests(engine.tokenizer)
+        texts = await _texts(engine, prompts, params)
+    bad = [(s, t) for s, t in zip(schemas, texts, strict=True) if not _valid(t, s)]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.slow
+async def test_a_killed_stage_gives_identical_constrained_output(smollm2_gguf: Path) -> None:
+    config = _demo_config(smollm2_gguf, 3)
+    async with AsyncEngine(config) as engine:
+        schemas, prompts, params = _schema_requests(engine.tokenizer)
+        schemas, prompts, params = schemas[:8], prompts[:8], params[:8]
+        expected = await _texts(engine, prompts, params)
+    async with AsyncEngine(config) as engine:
+        assert engine._pool is not None
+        tasks = asyncio.ensure_future(_texts(engine, prompts, params))
+        await wait_until(lambda: sum(len(r.output_token_ids) > 3 for r in engine.scheduler.running) >= 4, 60)
+        os.kill(engine._pool.procs[2].pid or 0, signal.SIGKILL)  # the last stage: its matchers are lost
+        got = await asyncio.wait_for(tasks, timeout=180)  # a guard against a hang, not a speed check
+        assert engine.stage_restarts == [0, 0, 1]
+    assert got == expected
+    assert all(_valid(t, s) for s, t in zip(schemas, got, strict=True))
+
+
+@pytest.mark.slow
+async def test_prefill_decode_disaggregation_continues_the_grammar(smollm2_gguf: Path) -> None:
+    key = {"disagg_key": b"a-secret-for-the-pair-0123"}
+    with_prefill = _demo_config(smollm2_gguf, 1, disaggregation="prefill", **key)
+    with_decode = _demo_config(smollm2_gguf, 2, disaggregation="decode", **key)
+    async with AsyncEngine(_demo_config(smollm2_gguf, 1)) as colocated:
+        schemas, prompts, params = _schema_requests(colocated.tokenizer)
+        schemas, prompts, params = schemas[:6], prompts[:6], params[:6]
+        expected = await _texts(colocated, prompts, params)
+    async with AsyncEngine(with_prefill) as p, AsyncEngine(with_decode) as d:
+        assert p.rooms is not None
+        at = p.rooms.address
+
+        async def one(prompt: list[int], sp: SamplingParams) -> str:
+            ids = [t async for out in d.generate(prompt, sp, prefill=at) for t in out.token_ids]
+            return d.tokenizer.decode(ids)
+
+        got = await asyncio.gather(*(one(pr, sp) for pr, sp in zip(prompts, params, strict=True)))
+    assert got == expected
+    assert all(_valid(t, s) for s, t in zip(schemas, got, strict=True))

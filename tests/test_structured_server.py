@@ -1,0 +1,164 @@
+"""Structured outputs, tool calls and logit_bias over HTTP and the websocket, with the official
+`openai` client unmodified, on the demo model."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_server import LiveServer
+from openai import OpenAI
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.slow
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: int
+
+
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf: Path) -> Iterator[LiveServer]:
+    srv = LiveServer(smollm2_gguf, "--pp-size", "2", "--kv-cache-gb", "0.05")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.output)
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+
+def _chat(server: LiveServer, **body: Any) -> tuple[int, dict[str, Any]]:
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40, **body}
+    code, _, raw = server.request("POST", "/v1/chat/completions", body)
+    return code, json.loads(raw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_parse_with_a_pydantic_model(client: OpenAI, server: LiveServer, stream: bool) -> None:
+    messages: Any = [{"role": "user", "content": "Describe Paris as JSON."}]
+    if not stream:
+        completion = client.chat.completions.parse(
+            model=server.model, messages=messages, response_format=City, max_tokens=200, temperature=0.8, seed=1
+        )
+        city = completion.choices[0].message.parsed
+    else:
+        with client.chat.completions.stream(
+            model=server.model, messages=messages, response_format=City, max_tokens=200, temperature=0.8, seed=1
+        ) as s:
+            for _ in s:
+                pass
+            city = s.get_final_completion().choices[0].message.parsed
+    assert isinstance(city, City)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip_with_tool_choice_required(client: OpenAI, server: LiveServer, stream: bool) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Lyon?"}]
+    kw: Any = {"model": server.model, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 100}
+    if not stream:
+        reply = client.chat.completions.create(messages=messages, **kw)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = choice.message.tool_calls
+    else:
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        deltas = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+        calls = deltas  # sent whole: one delta per call
+    assert calls
+    call = calls[0]
+    assert call.id and call.type == "function" and call.function and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments or "")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    # The round trip: the call and its result go back, and the model answers in text.
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": call.function.model_dump()}],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
+    final = client.chat.completions.create(
+        model=server.model, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=30
+    )
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_named_tool_choice_and_regex_and_choice(server: LiveServer) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    code, body = _chat(server, tools=[WEATHER], tool_choice=named, max_tokens=100)
+    assert code == 200, body
+    calls = body["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    code, body = _chat(server, structured_outputs={"regex": "[0-9]{3}-[0-9]{4}"}, temperature=0.9)
+    assert code == 200 and re.fullmatch("[0-9]{3}-[0-9]{4}", body["choices"][0]["message"]["content"]), body
+    code, body = _chat(server, structured_outputs={"choice": ["red", "green", "blue"]}, temperature=0.9)
+    assert code == 200 and body["choices"][0]["message"]["content"] in ("red", "green", "blue"), body
+    code, _, raw = server.request(
+        "POST",
+        "/generate",
+        {"text": "Colour:", "sampling_params": {"structured_outputs": {"choice": ["cyan", "mauve"]}}},
+    )
+    assert code == 200 and json.loads(raw)["text"] in ("cyan", "mauve"), raw
+    code, body = _chat(server, response_format={"type": "json_object"}, max_tokens=200)
+    assert code == 200 and isinstance(json.loads(body["choices"][0]["message"]["content"]), dict), body
+
+
+def test_bad_constraints_are_400s_naming_the_field(server: LiveServer) -> None:
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"response_format": bad_schema}, "response_format", "strin"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+        ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", "foo"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"99999999": 1}}, "prompt", "outside the vocabulary"),
+        ({"tools": [WEATHER], "tool_choice": unknown}, "tool_choice", "nope"),
+        ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs", "more than"),
+    ]  # fmt: skip
+    for extra, field, words in cases:
+        code, body = _chat(server, **extra)
+        assert code == 400, (extra, body)
+        assert body["error"]["param"] == field and words in body["error"]["message"], body
+    code, body = _chat(server)  # and the server serves on
+    assert code == 200
+
+
+def _generate(server: LiveServer, **sp: Any) -> list[int]:
+    code, _, raw = server.request("POST", "/generate", {"text": "Hello", "sampling_params": sp})
+    assert code == 200, raw
+    ids: list[int] = json.loads(raw)["token_ids"]
+    return ids
+
+
+def test_logit_bias_bans_and_forces_over_http(server: LiveServer) -> None:
+    token = _generate(server, max_tokens=4, temperature=0)[0]
+    for seed in range(3):
+        assert token not in _generate(server, max_tokens=6, temperature=1.0, seed=seed, logit_bias={str(token): -100})
+    assert _generate(server, max_tokens=4, temperature=1.0, ignore_eos=True, logit_bias={"42": 100}) == [42] * 4
