@@ -41,7 +41,9 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 class JsonSchemaFormat(msgspec.Struct):
     name: ShortText = "response"
     schema: dict[str, Any] | None = None
-    strict: bool | None = None  # the schema is enforced either way
+    # The schema is enforced either way; strict adds OpenAI's strict-mode rule that an object has
+    # only the properties it lists (additionalProperties: false where the schema says nothing).
+    strict: bool | None = None
     description: str | None = None
 
 
@@ -58,4 +60,30 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
             return "json_object", True
         if self.json_schema is None or self.json_schema.schema is None:
             raise _error("response_format of type json_schema needs json_schema.schema", "response_format")
-        return "json", self.json_schema.schema
+        schema = self.json_schema.schema
+        return "json", closed_objects(schema) if self.json_schema.strict else schema
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say
+    (OpenAI's strict mode, which otherwise refuses such a schema). A copy; depth is bounded by
+    the schema's size limit and msgspec's decoding depth."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: closed_objects(v) for name, v in value.items()}
+        elif key in _DATA:  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = closed_objects(value)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required")

@@ -24,6 +24,7 @@ from ppserve.engine.model.grammar import MAX_SPEC_CHARS, build_grammar
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.server.structured import closed_objects
 
 # ---- schemas a small model can always finish: strings, arrays and integers are bounded ------
 
@@ -87,6 +88,20 @@ def test_build_grammar_refuses_bad_specs_naming_the_problem() -> None:
         build_grammar("regex", "a" * (MAX_SPEC_CHARS + 1))
     with pytest.raises(ValueError, match="Rule 'foo' not found"):
         build_grammar("grammar", "root ::= foo")
+
+
+def test_strict_closes_every_object_schema_that_does_not_say() -> None:
+    inner = {
+        "properties": {"type": "object", "properties": {}},
+        "open": {"type": "object", "additionalProperties": True},
+    }
+    schema = {"type": "object", "properties": inner, "$defs": {"P": {"properties": {"type": {"enum": ["object"]}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert closed["properties"]["open"]["additionalProperties"] is True  # said: kept
+    assert closed["$defs"]["P"] == {"properties": {"type": {"enum": ["object"]}}, "additionalProperties": False}
+    assert "additionalProperties" not in schema  # a copy
 
 
 def test_logit_bias_is_checked_and_sorted() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from live_server import LiveServer
 from openai import OpenAI
@@ -162,3 +163,34 @@ def test_logit_bias_bans_and_forces_over_http(server: LiveServer) -> None:
     for seed in range(3):
         assert token not in _generate(server, max_tokens=6, temperature=1.0, seed=seed, logit_bias={str(token): -100})
     assert _generate(server, max_tokens=4, temperature=1.0, ignore_eos=True, logit_bias={"42": 100}) == [42] * 4
+
+
+async def test_websocket_chat_and_completions_take_constraints(server: LiveServer) -> None:
+    constrained = {"max_tokens": 40, "temperature": 0.9, "structured_outputs": {"regex": "(yes|no), [0-9]{2}"}}
+    async with (
+        aiohttp.ClientSession(headers=server.headers) as session,
+        session.ws_connect(server.url + "/ws") as ws,
+    ):
+        messages = [{"role": "user", "content": "Answer yes or no, and a number."}]
+        await ws.send_json({"type": "chat", "id": "a", "messages": messages, "sampling_params": constrained})
+        await ws.send_json({"type": "generate", "id": "b", "text": "Q:", "sampling_params": constrained})
+        text = {"a": "", "b": ""}
+        done: dict[str, Any] = {}
+        while len(done) < 2:
+            event = await ws.receive_json(timeout=60)
+            if event["type"] == "token":
+                text[event["id"]] += event["text"]
+            elif event["type"] == "done":
+                done[event["id"]] = event
+            else:
+                raise AssertionError(event)
+    assert all(re.fullmatch("(yes|no), [0-9]{2}", t) for t in text.values()), text
+    assert all(d["finish_reason"] == "stop" for d in done.values())
+    schema = City.model_json_schema()
+    for props in schema["properties"].values():
+        props.setdefault("maxLength", 20) if props["type"] == "string" else props.update(maximum=99, minimum=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    body = {"model": server.model, "prompt": "A city:", "max_tokens": 120, "response_format": fmt}
+    code, _, raw = server.request("POST", "/v1/completions", body)
+    assert code == 200, raw
+    City.model_validate_json(json.loads(raw)["choices"][0]["text"])

@@ -150,35 +150,41 @@ class Sampler:
 
     @property
     def grammars(self) -> Grammars:
-        with self._making:  # `prepare` (the event loop) and `sample` (the compute thread) may both ask first
+        """The model's Grammars, made at first use (loading the tokenizer: about a second)."""
+        with self._making:  # the grammar thread and the compute thread may both ask first
             if self._grammars is None:
                 if self._make_grammars is None:
                     raise ValueError("this engine has no tokenizer for grammars")
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
                 self._grammars = self._make_grammars()
         return self._grammars
 
+    def _first_mask(self, grammar: str) -> torch.Tensor:
+        return self.grammars.first_mask(grammar)
+
+    def _masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        return self.grammars.masks(matchers)
+
     def prepare(self, plan: StepPlan) -> None:
         """Start the grammar masks of `plan`'s sampled rows on the grammar thread, so that they are
-        ready when its logits are (call it as the plan arrives, before its forward). Rows whose
-        mask is not started here are masked when sampled."""
+        ready when its logits are (call it as the plan arrives, before its forward). It never
+        waits: everything, even making the Grammars, happens on that thread. Rows whose mask is
+        not started here are masked when sampled."""
         starts: dict[str, str] = {n.request_id: n.params.grammar for n in plan.new_requests if n.params.grammar}
-        if not starts and self._grammars is None:
+        if not starts and self._thread is None:
             return  # no request has had a grammar yet: nothing to look up
-        sampled = [c.request_id for c in plan.chunks if c.sample]
-        grammars = self.grammars
-        assert self._thread is not None
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         rows: list[tuple[str, _RequestState]] = []
-        for rid in sampled:
+        for rid in (c.request_id for c in plan.chunks if c.sample):
             if rid in starts:  # announced in this plan: its first mask is its grammar's, cached
                 grammar = starts[rid]
-                self._prepared[rid] = (grammar, 0, self._thread.submit(grammars.first_mask, grammar), -1)
+                self._prepared[rid] = (grammar, 0, self._thread.submit(self._first_mask, grammar), -1)
             elif (state := self._requests.get(rid)) is not None and state.matcher is not None:
                 rows.append((rid, state))
         for grammar in set(starts.values()):  # compile early, whether or not this plan samples it
-            self._thread.submit(grammars.first_mask, grammar)
+            self._thread.submit(self._first_mask, grammar)
         if rows:
-            future = self._thread.submit(grammars.masks, [state.matcher for _, state in rows])  # type: ignore[misc]
+            future = self._thread.submit(self._masks, [state.matcher for _, state in rows])  # type: ignore[misc]
             for i, (rid, state) in enumerate(rows):
                 self._prepared[rid] = (state, state.step, future, i)
 
