@@ -45,7 +45,8 @@ REPLY = {"name": "Ana Lopez", "age": 34, "city": "Porto", "hobbies": ["chess", "
 def installed_mb(dist: str) -> float:
     """Megabytes a distribution's files take on disk (its RECORD)."""
     files = importlib.metadata.distribution(dist).files or []
-    return sum(f.locate().stat().st_size for f in files if f.locate().is_file()) / 1e6
+    paths = [Path(f.locate()) for f in files]
+    return sum(p.stat().st_size for p in paths if p.is_file()) / 1e6
 
 
 def requires(dist: str) -> list[str]:
