@@ -8,6 +8,11 @@ compile time (first and cached) and the time to compute one token's mask per req
 --requests streams.
 
     python scripts/bench_structured.py [--model PATH] [--pp 1 2] [--requests 32] [--rounds 3]
+    python scripts/bench_structured.py --vllm DIR    # and against vLLM's CPU build
+
+With --vllm DIR (a Hugging Face directory of the same model, float32 as in scripts/bench_peers.py,
+whose peers' venv it uses), ppserve (PP=1) and vLLM also serve the same requests over HTTP, in turn,
+each engine constrained by response_format's json_schema and unconstrained.
 
 Writes benchmarks/results/structured.json.
 """
@@ -129,6 +134,87 @@ def grammar_costs(model: Path, grammar: str, streams: int) -> dict[str, float]:
     }
 
 
+async def http_burst(
+    url: str, prompts: list[str], schema: dict[str, Any] | None, counts: list[int] | None, max_tokens: int
+) -> dict[str, float]:
+    """A burst of chat requests over HTTP (streamed, to time the first token): with `schema`,
+    constrained by response_format; else each generates counts[i] tokens (ignore_eos)."""
+    import aiohttp
+
+    start = time.perf_counter()
+    ttft: list[float] = []
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body: dict[str, Any] = {
+            "model": "peer",
+            "messages": [{"role": "user", "content": prompts[i]}],
+            "temperature": 0.8,
+            "seed": i,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if schema is not None:
+            fmt = {"name": "person", "schema": schema, "strict": True}
+            body |= {"response_format": {"type": "json_schema", "json_schema": fmt}, "max_tokens": max_tokens}
+        else:
+            assert counts is not None
+            body |= {"max_tokens": counts[i], "ignore_eos": True}
+        tokens, first = 0, True
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    ttft.append(time.perf_counter() - start)
+                    first = False
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return tokens
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        each = await asyncio.gather(*(one(session, i) for i in range(len(prompts))))
+    if counts is not None and schema is not None:
+        counts[:] = each
+    wall = time.perf_counter() - start
+    return {"tokens": sum(each), "tok_s": sum(each) / wall, "ttft_p50_s": statistics.median(ttft)}
+
+
+def against_vllm(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """ppserve PP=1 and vLLM on the same chat requests over HTTP, each constrained and not."""
+    import bench_peers
+
+    peers_args = argparse.Namespace(dtype="float32", ppserve_args="", vllm_no_preload=False, start_timeout=600)
+    prompts = [f"Describe {TOPICS[i % len(TOPICS)]} as a person." for i in range(args.requests)]
+    out: dict[str, Any] = {}
+    for name in ("ppserve-pp1", "vllm"):
+        with bench_peers.serve(name, model_dir, peers_args) as server:
+            counts: list[int] = [0] * args.requests
+            asyncio.run(http_burst(server.url, prompts, SCHEMA, counts, args.max_tokens))  # warm-up, lengths
+            rounds: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
+            for r in range(args.rounds):
+                for kind in ["unconstrained", "constrained"][:: 1 if r % 2 == 0 else -1]:
+                    schema = SCHEMA if kind == "constrained" else None
+                    burst_ = http_burst(server.url, prompts, schema, None if schema else counts, args.max_tokens)
+                    rounds[kind].append(asyncio.run(burst_))
+        med = {k: {m: statistics.median(x[m] for x in v) for m in ("tok_s", "ttft_p50_s")} for k, v in rounds.items()}
+        out[name] = {"rounds": rounds, "median": med, "constrained_over_unconstrained": _ratios(med)}
+        print(name, json.dumps(out[name]["median"]), json.dumps(out[name]["constrained_over_unconstrained"]))
+    p, v = out["ppserve-pp1"]["median"], out["vllm"]["median"]
+    out["ppserve_over_vllm"] = {
+        kind: {"tok_s": p[kind]["tok_s"] / v[kind]["tok_s"], "ttft": p[kind]["ttft_p50_s"] / v[kind]["ttft_p50_s"]}
+        for kind in p
+    }
+    print("ppserve / vLLM", json.dumps(out["ppserve_over_vllm"]))
+    return out
+
+
+def _ratios(med: dict[str, dict[str, float]]) -> dict[str, float]:
+    c, u = med["constrained"], med["unconstrained"]
+    return {"tok_s": c["tok_s"] / u["tok_s"], "ttft": c["ttft_p50_s"] / u["ttft_p50_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
@@ -136,6 +222,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vllm", type=Path, default=None, help="also against vLLM, on this checkpoint")
     parser.add_argument("--out", type=Path, default=RESULTS / "structured.json")
     args = parser.parse_args()
     model = args.model or demo_model()
@@ -151,6 +238,8 @@ def main() -> None:
             f"PP={pp}: constrained/unconstrained throughput {result['throughput_ratio']:.3f}, "
             f"TTFT {result['ttft_ratio']:.3f}  {json.dumps(result['median'])}"
         )
+    if args.vllm is not None:
+        report["http"] = against_vllm(args.vllm, args)
     print(write_result(args.out, report, args))
 
 

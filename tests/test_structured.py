@@ -14,13 +14,16 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_pipeline import wait_until
 
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.grammar import MAX_SPEC_CHARS, build_grammar
+from ppserve.engine.model.sampler import unpack_mask
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -102,6 +105,23 @@ def test_strict_closes_every_object_schema_that_does_not_say() -> None:
     assert closed["properties"]["open"]["additionalProperties"] is True  # said: kept
     assert closed["$defs"]["P"] == {"properties": {"type": {"enum": ["object"]}}, "additionalProperties": False}
     assert "additionalProperties" not in schema  # a copy
+
+
+def test_the_bitmask_kernel_equals_the_torch_unpacking() -> None:
+    if not cpu_kernels.available(torch.device("cpu"), torch.float32):
+        pytest.skip("no CPU kernels here")
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word is partly past the vocabulary
+    masks = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    masks[1] = -1  # all allowed
+    masks[2, :10] = 0  # whole words forbidden
+    logits = torch.randn(8, vocab, generator=g)
+    rows = torch.tensor([7, 0, 3, 4, 1])
+    got = logits.clone()
+    cpu_kernels.apply_token_bitmask(got, masks, rows)
+    expected = logits.clone()
+    expected[rows] = logits[rows].masked_fill(~unpack_mask(masks, vocab), float("-inf"))
+    assert torch.equal(got, expected)
 
 
 def test_logit_bias_is_checked_and_sorted() -> None:

@@ -436,6 +436,25 @@ void quant_gemm(const T* x, const uint8_t* w, const uint16_t* scales, const uint
 
 }  // namespace
 
+// Constrained decoding (engine/model/sampler.py): row rows[i] of logits [*, stride] float32 gets -inf
+// wherever bit t % 32 of word t / 32 of masks[i] (llguidance's token bitmask, [n, words] int32) is
+// clear. Mostly whole words are allowed or forbidden, so a word of ones costs one compare.
+void apply_token_bitmask(float* logits, int64_t stride, const int32_t* masks, int64_t words, const int64_t* rows,
+                         int64_t n, int64_t vocab) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; i++) {
+    float* row = logits + rows[i] * stride;
+    const uint32_t* mask = reinterpret_cast<const uint32_t*>(masks + i * words);
+    for (int64_t w = 0; w < words; w++) {
+      const uint32_t allowed = mask[w];
+      if (allowed == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32, end = std::min<int64_t>(32, vocab - base);
+      for (int64_t b = 0; b < end; b++)
+        if (!((allowed >> b) & 1u)) row[base + b] = ninf;
+    }
+  }
+}
+
 extern "C" {
 
 #define PPSERVE_KERNELS(SUFFIX, T)                                                                                    \
@@ -458,6 +477,11 @@ extern "C" {
 
 PPSERVE_KERNELS(f32, float)
 PPSERVE_KERNELS(bf16, uint16_t)
+
+void apply_token_bitmask_f32(float* logits, int64_t stride, const int32_t* masks, int64_t words, const int64_t* rows,
+                             int64_t n, int64_t vocab) {
+  apply_token_bitmask(logits, stride, masks, words, rows, n, vocab);
+}
 
 #if defined(PPSERVE_QUANT_GEMM)
 #define PPSERVE_QUANT_KERNELS(SUFFIX, T)                                                                             \

@@ -7,6 +7,8 @@
 - The glue of a decoder layer: residual add with RMSNorm, SiLU(gate) * up, RoPE on q and k with
   the KV cache write. In torch these are some twenty ops per layer, each a dispatch and a pass
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
+- Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
+  unpacking the bits with torch ops costs a fraction of a millisecond).
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
   and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
@@ -50,6 +52,8 @@ _ARGTYPES = {
     "silu_mul": [_PTR] * 2 + [_INT64] * 2,
     "rope_write_kv": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 4,
 }
+# Float32 only: the sampler's logits.
+_F32_ARGTYPES = {"apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64, _INT64]}
 # Built only for some CPUs (see cpu_kernels.cpp): present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
@@ -125,6 +129,9 @@ def _load(cache: str) -> ctypes.CDLL | None:
         for suffix in KERNEL_DTYPES.values():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _F32_ARGTYPES.items():
+        fn = getattr(dll, f"{name}_f32")
+        fn.argtypes, fn.restype = argtypes, None
     return dll
 
 
@@ -164,6 +171,19 @@ class QuantGemm:
         y = x.new_empty(x.shape[0], self.out_features)
         self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
         return y
+
+
+def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf wherever bit t of masks[i] is clear. logits: [*, vocab]
+    float32 with unit stride in its last dimension; masks: [len(rows), words] int32, contiguous;
+    rows: int64. Only where `available(logits.device, torch.float32)`."""
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and masks.is_contiguous()
+    assert masks.dtype == torch.int32 and rows.dtype == torch.int64 and masks.shape[0] == rows.shape[0]
+    rows = rows.contiguous()
+    _kernel("apply_token_bitmask", torch.float32)(
+        logits.data_ptr(), logits.stride(0), masks.data_ptr(), masks.shape[1], rows.data_ptr(), rows.shape[0],
+        logits.shape[1],
+    )  # fmt: skip
 
 
 def decode_attention(

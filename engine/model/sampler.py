@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ppserve.engine.model import cpu_kernels
 from ppserve.scheduler.sampling_params import GREEDY_BELOW
 from ppserve.transport.messages import StepPlan
 
@@ -274,14 +275,19 @@ class Sampler:
             ids, values = states[i].bias  # type: ignore[misc]
             logits[i].index_add_(0, ids, values)
         if constrained:
-            masks = torch.stack([self._mask(request_ids[i], states[i]) for i in constrained])
-            allowed = unpack_mask(masks, self.vocab_size).to(logits.device)  # [rows, vocab] bool
+            masks = torch.stack([self._mask(request_ids[i], states[i]) for i in constrained])  # [rows, words]
             # A grammar in an error state allows nothing: end the output rather than sample noise.
-            empty = ~allowed.any(dim=-1)
+            empty = (masks == 0).all(dim=1)
             if empty.any():
-                allowed[empty, self.grammars.eos_token_id] = True
-            rows = torch.tensor(constrained, dtype=torch.long, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+                eos = self.grammars.eos_token_id
+                masks[empty, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
+            rows = torch.tensor(constrained, dtype=torch.long)
+            if cpu_kernels.available(logits.device, torch.float32):
+                cpu_kernels.apply_token_bitmask(logits, masks, rows)
+            else:
+                allowed = unpack_mask(masks, self.vocab_size).to(logits.device)  # [rows, vocab] bool
+                rows = rows.to(logits.device)
+                logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
     def _mask(self, request_id: str, state: _RequestState) -> torch.Tensor:
