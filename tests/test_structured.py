@@ -161,6 +161,27 @@ def test_regex_and_choice_hold_on_random_weights_and_equal_across_pp(
                 assert g.finish_reason == "stop" and ok(text), (kind, text)
 
 
+def test_chunked_prefill_and_the_prefix_cache_change_no_constrained_output(
+    llama_dir: Path, tiny: tuple[OfflineEngine, OfflineEngine, Tokenizer]
+) -> None:
+    pp1, _, tok = tiny
+    shared = tok.encode(" ".join(f"word{i}" for i in range(60)))  # a long common prefix
+    prompts = [shared + tok.encode(f" and then {i}") for i in range(4)]
+    grammar = build_grammar("json", {"type": "array", "items": {"enum": ["ab", "cd", "ef"]}, "maxItems": 4})
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=9, grammar=grammar)
+    plain = [g.token_ids for g in pp1.generate(prompts, params)]
+    config = EngineConfig.create(llama_dir, num_kv_blocks=256, chunked_prefill_size=32, enable_prefix_caching=True)
+    chunked = OfflineEngine(config)
+    try:
+        first = [g.token_ids for g in chunked.generate(prompts, params)]  # chunked, filling the cache
+        again = [g.token_ids for g in chunked.generate(prompts, params)]  # from the cache
+        assert chunked.scheduler.prefix_hits > 0
+    finally:
+        chunked.close()
+    assert first == plain and again == plain
+    assert all(json.loads(tok.decode(ids)) is not None for ids in plain)
+
+
 def test_logit_bias_bans_and_forces(tiny: tuple[OfflineEngine, OfflineEngine, Tokenizer]) -> None:
     pp1, _, tok = tiny
     prompt = tok.encode("the same prompt")
@@ -219,15 +240,17 @@ async def test_fifty_random_schemas_always_validate(smollm2_gguf: Path, pp: int)
 
 @pytest.mark.slow
 async def test_a_killed_stage_gives_identical_constrained_output(smollm2_gguf: Path) -> None:
-    config = _demo_config(smollm2_gguf, 3)
+    # Float weights: recovery recomputes the KV by prefill, whose attention kernel rounds differently
+    # from decode's; with int8 activations (weights kept quantized) that can flip a near-tie, which
+    # is recovery's property, not the grammar's (docs/recovery.md). The matchers are what is tested.
+    config = _demo_config(smollm2_gguf, 3, quantization="none")
     async with AsyncEngine(config) as engine:
         schemas, prompts, params = _schema_requests(engine.tokenizer)
-        schemas, prompts, params = schemas[:8], prompts[:8], params[:8]
         expected = await _texts(engine, prompts, params)
     async with AsyncEngine(config) as engine:
         assert engine._pool is not None
         tasks = asyncio.ensure_future(_texts(engine, prompts, params))
-        await wait_until(lambda: sum(len(r.output_token_ids) > 3 for r in engine.scheduler.running) >= 4, 60)
+        await wait_until(lambda: sum(len(r.output_token_ids) > 3 for r in engine.scheduler.running) >= 10, 60)
         os.kill(engine._pool.procs[2].pid or 0, signal.SIGKILL)  # the last stage: its matchers are lost
         got = await asyncio.wait_for(tasks, timeout=180)  # a guard against a hang, not a speed check
         assert engine.stage_restarts == [0, 0, 1]
@@ -242,7 +265,6 @@ async def test_prefill_decode_disaggregation_continues_the_grammar(smollm2_gguf:
     with_decode = _demo_config(smollm2_gguf, 2, disaggregation="decode", **key)
     async with AsyncEngine(_demo_config(smollm2_gguf, 1)) as colocated:
         schemas, prompts, params = _schema_requests(colocated.tokenizer)
-        schemas, prompts, params = schemas[:6], prompts[:6], params[:6]
         expected = await _texts(colocated, prompts, params)
     async with AsyncEngine(with_prefill) as p, AsyncEngine(with_decode) as d:
         assert p.rooms is not None
