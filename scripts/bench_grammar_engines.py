@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,18 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t
 
 
+def mask_times(reply_ids: list[int], fill: Callable[[], int], advance: Callable[[int], None]) -> dict[str, float]:
+    """Microseconds per request to compute one token's mask, as the streams walk a reply token by
+    token: `fill` computes every stream's mask (and says how many streams), `advance` feeds a token."""
+    per_token = []
+    for token in reply_ids:
+        t = time.perf_counter()
+        streams = fill()
+        per_token.append((time.perf_counter() - t) / streams)
+        advance(token)
+    return {"mask_us_p50": statistics.median(per_token) * 1e6, "mask_us_max": max(per_token) * 1e6}
+
+
 def bench_llguidance(hf: Any, vocab: int, schema: str, reply_ids: list[int], streams: int) -> dict[str, float]:
     import llguidance as llg
     import torch
@@ -71,20 +84,17 @@ def bench_llguidance(hf: Any, vocab: int, schema: str, reply_ids: list[int], str
     matchers = [first.deep_copy() for _ in range(streams)]
     words = (vocab + 31) // 32
     mask = torch.empty(streams, words, dtype=torch.int32)
-    per_token = []
-    for token in reply_ids:
-        t = time.perf_counter()
+
+    def fill() -> int:
         for i, m in enumerate(matchers):
             m.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
-        per_token.append((time.perf_counter() - t) / streams)
+        return streams
+
+    def advance(token: int) -> None:
         for m in matchers:
             m.consume_token(token)
-    return {
-        "tokenizer_setup_ms": tok_s * 1e3,
-        "compile_ms": compile_s * 1e3,
-        "mask_us_p50": statistics.median(per_token) * 1e6,
-        "mask_us_max": max(per_token) * 1e6,
-    }
+
+    return {"tokenizer_setup_ms": tok_s * 1e3, "compile_ms": compile_s * 1e3, **mask_times(reply_ids, fill, advance)}
 
 
 def bench_xgrammar(hf: Any, vocab: int, schema: str, reply_ids: list[int], streams: int) -> dict[str, float]:
@@ -95,20 +105,17 @@ def bench_xgrammar(hf: Any, vocab: int, schema: str, reply_ids: list[int], strea
     compiled, compile_s = timed(lambda: compiler.compile_json_schema(schema, any_whitespace=False))
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(streams)]
     mask = xgr.allocate_token_bitmask(streams, vocab)
-    per_token = []
-    for token in reply_ids:
-        t = time.perf_counter()
+
+    def fill() -> int:
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(mask, i)
-        per_token.append((time.perf_counter() - t) / streams)
+        return streams
+
+    def advance(token: int) -> None:
         for m in matchers:
             m.accept_token(token)
-    return {
-        "tokenizer_setup_ms": tok_s * 1e3,
-        "compile_ms": compile_s * 1e3,
-        "mask_us_p50": statistics.median(per_token) * 1e6,
-        "mask_us_max": max(per_token) * 1e6,
-    }
+
+    return {"tokenizer_setup_ms": tok_s * 1e3, "compile_ms": compile_s * 1e3, **mask_times(reply_ids, fill, advance)}
 
 
 def main() -> None:

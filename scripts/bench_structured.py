@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_grammar_engines import REPLY, SCHEMA  # noqa: E402
+from bench_grammar_engines import REPLY, SCHEMA, mask_times  # noqa: E402
 from bench_record import RESULTS, write_result  # noqa: E402
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
@@ -119,19 +119,13 @@ def grammar_costs(model: Path, grammar: str, streams: int) -> dict[str, float]:
     reply = json.dumps(REPLY)
     ids = tok.encode(reply, add_special_tokens=False)
     matchers = [grammars.matcher(grammar) for _ in range(streams)]
-    times = []
-    for token in ids:
-        t = time.perf_counter()
-        grammars.masks(matchers)
-        times.append((time.perf_counter() - t) / streams)
+
+    def advance(token: int) -> None:
         for m in matchers:
             m.consume_token(token)
-    return {
-        "compile_first_ms": first * 1e3,
-        "compile_cached_ms": cached * 1e3,
-        "mask_per_request_us_p50": statistics.median(times) * 1e6,
-        "mask_per_request_us_max": max(times) * 1e6,
-    }
+
+    times = mask_times(ids, lambda: len(grammars.masks(matchers)), advance)
+    return {"compile_first_ms": first * 1e3, "compile_cached_ms": cached * 1e3, **times}
 
 
 async def http_burst(
