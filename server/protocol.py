@@ -289,6 +289,8 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
         if not self.messages:
             raise ApiError(400, "messages must not be empty", "messages")
         check_tools(self.tools, self.tool_choice)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     @property
     def tool_mode(self) -> ToolChoice | None:
