@@ -107,8 +107,9 @@ def grammar_costs(model: Path, grammar: str, streams: int) -> dict[str, float]:
     `streams` requests, each matcher walking a schema-valid reply token by token."""
     from ppserve.engine.model.tokenizer import Tokenizer
 
-    tok = Tokenizer(model)
-    vocab = EngineConfig.create(model).model_config.vocab_size
+    config = EngineConfig.create(model)  # a GGUF file's tokenizer is in its converted directory
+    tok = Tokenizer(config.model)
+    vocab = config.model_config.vocab_size
     grammars = Grammars(tok.hf, vocab)
     t = time.perf_counter()
     grammars.check(grammar)
