@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ppserve.engine.model.sampler import Sampler, apply_penalties, filtered_probs
+from ppserve.engine.model.sampler import TOP_P_CANDIDATES, Sampler, apply_penalties, filtered_probs
 from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -58,6 +58,35 @@ def test_filters_match_reference(params: SamplingParams) -> None:
         want = torch.tensor(reference_filter(logits.tolist(), params))
         assert torch.allclose(got, want, atol=1e-6), params
         assert (got > 0).sum() >= 1
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0])  # a nucleus wider than the candidates, and a narrow one
+def test_top_p_over_a_large_vocabulary_matches_reference(scale: float) -> None:
+    vocab = 3 * TOP_P_CANDIDATES
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * scale
+    for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.5, top_p=0.5, min_p=0.01)):
+        got = filtered_probs(logits, params)
+        want = torch.tensor(reference_filter(logits.tolist(), params))
+        assert torch.allclose(got, want, atol=1e-6), params
+
+
+def test_plain_draws_follow_the_distribution() -> None:
+    """Rows without top-k or top-p are drawn together (inverse transform over the whole
+    vocabulary): each row's empirical frequencies stay within a few standard errors."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0] + [-3.0] * (VOCAB - 4), [0.0] * VOCAB])
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    sampler.add_request("a", SamplingParams(temperature=0.7, seed=1))
+    sampler.add_request("b", SamplingParams(temperature=1.0, min_p=0.5))
+    n = 3000
+    counts = torch.zeros(2, VOCAB)
+    for _ in range(n):
+        for row, sample in enumerate(sampler.sample(["a", "b"], logits)):
+            counts[row, sample.token_id] += 1
+    for row, params in enumerate((SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, min_p=0.5))):
+        probs = filtered_probs(logits[row], params)
+        stderr = torch.sqrt(probs * (1 - probs) / n)
+        assert ((counts[row] / n - probs).abs() <= 4 * stderr + 1e-9).all()
+        assert counts[row][probs == 0].sum() == 0
 
 
 def test_penalties_match_reference() -> None:

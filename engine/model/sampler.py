@@ -13,9 +13,12 @@ samples. Its next mask is computed on a thread of its own as soon as the plan ar
 only waits for it. A re-announced request's matcher consumes the tokens generated before, so a
 replaced last stage constrains exactly as the old one would have.
 
-A seeded request draws its own noise row every step from a generator seeded with (seed, step),
-so its output depends on its seed, its step and its logits only: never on what else is in the
-batch, and never on the sampler's history (a replaced last stage carries on exactly).
+A sampled token is drawn by inverse transform: one uniform number per row and step, the first
+token whose cumulative probability exceeds it (no noise over the whole vocabulary: drawing 49k
+exponentials per row cost a millisecond). A seeded request draws its number from a generator
+seeded with (seed, step), so its output depends on its seed, its step and its logits only: never
+on what else is in the batch, and never on the sampler's history (a replaced last stage carries
+on exactly).
 """
 
 from __future__ import annotations
@@ -116,12 +119,30 @@ class _RequestState:
             self.generator = torch.Generator(device=device)
 
     def noise_generator(self, shared: torch.Generator) -> torch.Generator:
-        """The generator for this step's noise: reseeded from (seed, step) for a seeded request."""
+        """The generator for this step's draw: reseeded from (seed, step) for a seeded request."""
         if self.generator is None:
             return shared
         assert self.params.seed is not None
         self.generator.manual_seed(_step_seed(self.params.seed, self.step))
         return self.generator
+
+
+def _uniform(generator: torch.Generator) -> float:
+    """One draw from [0, 1), in float64."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
+
+
+def _inverse_transform(weights: torch.Tensor, u: list[float], cdf: torch.Tensor) -> list[int]:
+    """weights: [rows, n] >= 0, unnormalised -> per row, the index of the first weight whose
+    cumulative sum exceeds u * the total (a zero weight is never chosen). Summed in float64, so that
+    the draw follows the weights to far below any probability a test could see; `cdf` is a float64
+    buffer of at least that size, kept between steps (a fresh one costs more in page faults than
+    the sum itself)."""
+    rows, n = weights.shape
+    sums = cdf.view(-1)[: rows * n].view(rows, n).copy_(weights).cumsum_(-1)
+    target = torch.tensor(u, dtype=torch.float64, device=sums.device)[:, None] * sums[:, -1:]
+    picks = torch.searchsorted(sums, target, right=True).clamp_(max=n - 1)
+    return [int(i) for i in picks[:, 0].tolist()]
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -143,6 +164,7 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
         self._make_grammars = grammars
+        self._cdf_buffer = torch.empty(0, dtype=torch.float64, device=device)
         self._grammars: Grammars | None = None
         self._making = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # grammar work: compiling, masks
@@ -231,14 +253,9 @@ class Sampler:
             token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
             if greedy:
                 token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        for i, state in enumerate(states):
-            if state.params.temperature < GREEDY_BELOW:
-                continue
-            probs = filtered_probs(logits[i], state.params)
-            # Exponential race: argmax(p / E), E ~ Exp(1), draws from p exactly (Gumbel-max trick).
-            noise = torch.empty_like(probs).exponential_(generator=state.noise_generator(self._shared_generator))
-            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # never 0/0 on a filtered-out token
-            token_ids[i] = (probs / noise).argmax()
+        drawn = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_BELOW]
+        if drawn:
+            token_ids[drawn] = torch.tensor(self._draw(logits, drawn, [states[i] for i in drawn]), device=logits.device)
 
         chosen = token_ids.tolist()
         out: list[Sample] = []
@@ -259,6 +276,36 @@ class Sampler:
                 values, ids = row.topk(state.params.logprobs)
                 top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
             out.append(Sample(token, float(row[token]), top))
+        return out
+
+    def _cdf(self, size: int) -> torch.Tensor:
+        """A float64 buffer of at least `size` elements for `_inverse_transform`, kept."""
+        if self._cdf_buffer.numel() < size:
+            self._cdf_buffer = torch.empty(size, dtype=torch.float64, device=self.device)
+        return self._cdf_buffer
+
+    def _draw(self, logits: torch.Tensor, rows: list[int], states: list[_RequestState]) -> list[int]:
+        """A token for each of `rows` (sampled, not greedy), by inverse transform: one uniform u per
+        row, the first token whose cumulative probability exceeds u. Rows with neither top-k nor
+        top-p are drawn together; the others look only at their candidates (`candidates`)."""
+        temperatures = torch.tensor([s.params.temperature for s in states], dtype=logits.dtype, device=logits.device)
+        scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # (no gather when every row draws)
+        probs = (scaled / temperatures[:, None]).softmax(-1)  # [rows, vocab]
+        # A seeded request's u comes from (seed, step), the others' from the shared generator.
+        u = [_uniform(s.noise_generator(self._shared_generator)) for s in states]
+        out = [0] * len(rows)
+        plain = [j for j, s in enumerate(states) if not s.params.top_k and s.params.top_p >= 1.0]
+        if plain:
+            p = probs if len(plain) == len(rows) else probs[plain]
+            min_p = torch.tensor([states[j].params.min_p for j in plain], dtype=p.dtype, device=p.device)[:, None]
+            if bool((min_p > 0).any()):
+                p = p.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, 0.0)
+            for j, token in zip(plain, _inverse_transform(p, [u[j] for j in plain], self._cdf(p.numel())), strict=True):
+                out[j] = token
+        for j, state in enumerate(states):
+            if j not in plain:
+                values, order = candidates(probs[j], state.params)
+                out[j] = int(order[_inverse_transform(values[None], [u[j]], self._cdf(values.numel()))[0]])
         return out
 
     def _constrain(
@@ -333,21 +380,36 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[_RequestState]) -> to
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplerParams) -> torch.Tensor:
-    """logits: [vocab] -> probabilities after temperature, top-k, top-p and min-p (renormalised)."""
-    logits = logits / params.temperature
+# Top-p without top-k looks for its nucleus among this many of the most likely tokens first (a
+# partial sort), and sorts the whole vocabulary only when they do not cover top_p.
+TOP_P_CANDIDATES = 1024
+
+
+def candidates(probs: torch.Tensor, params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs: [vocab] after temperature -> (weights, token ids) of the tokens a draw chooses among:
+    top-k, then top-p of the top-k-renormalised distribution, then min-p (relative to the most
+    likely token). Weights are unnormalised."""
+    vocab = probs.shape[0]
     if params.top_k or params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if params.top_k:
-            drop[params.top_k :] = True
+        values, order = probs.topk(min(params.top_k or TOP_P_CANDIDATES, vocab))  # most likely first
         if params.top_p < 1.0:
-            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+            share = values / values.sum() if params.top_k else values
+            if not params.top_k and float(values.sum()) < params.top_p and values.shape[0] < vocab:
+                values, order = probs.sort(descending=True)  # the nucleus is wider than the candidates
+                share = values
             # Drop a token once the tokens before it already cover top_p (the first always stays).
-            before = sorted_probs.cumsum(-1) - sorted_probs
-            drop |= before >= params.top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
+            keep = (share.cumsum(0) - share) < params.top_p
+            values, order = values[keep], order[keep]
+    else:
+        values, order = probs, torch.arange(vocab, device=probs.device)
     if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        values = values.masked_fill(values < params.min_p * values.max(), 0.0)
+    return values, order
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplerParams) -> torch.Tensor:
+    """logits: [vocab] -> the distribution a draw follows: after temperature, top-k, top-p and
+    min-p, renormalised."""
+    values, order = candidates((logits / params.temperature).softmax(-1), params)
+    probs = torch.zeros_like(logits).index_put_((order,), values)
     return probs / probs.sum()
