@@ -76,7 +76,7 @@ def test_plain_draws_follow_the_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0] + [-3.0] * (VOCAB - 4), [0.0] * VOCAB])
     sampler = Sampler(VOCAB, torch.device("cpu"))
     sampler.add_request("a", SamplingParams(temperature=0.7, seed=1))
-    sampler.add_request("b", SamplingParams(temperature=1.0, min_p=0.5))
+    sampler.add_request("b", SamplingParams(temperature=1.0, min_p=0.5, seed=2))
     n = 3000
     counts = torch.zeros(2, VOCAB)
     for _ in range(n):

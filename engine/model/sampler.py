@@ -134,12 +134,11 @@ def _uniform(generator: torch.Generator) -> float:
 
 def _inverse_transform(weights: torch.Tensor, u: list[float], cdf: torch.Tensor) -> list[int]:
     """weights: [rows, n] >= 0, unnormalised -> per row, the index of the first weight whose
-    cumulative sum exceeds u * the total (a zero weight is never chosen). Summed in float64, so that
-    the draw follows the weights to far below any probability a test could see; `cdf` is a float64
-    buffer of at least that size, kept between steps (a fresh one costs more in page faults than
-    the sum itself)."""
-    rows, n = weights.shape
-    sums = cdf.view(-1)[: rows * n].view(rows, n).copy_(weights).cumsum_(-1)
+    cumulative sum exceeds u * the total (a zero weight is never chosen). Summed in float64 (`cdf`:
+    a [rows, n] float64 scratch tensor), so that the draw follows the weights to far below any
+    probability a test could see."""
+    n = weights.shape[1]
+    sums = cdf.copy_(weights).cumsum_(-1)
     target = torch.tensor(u, dtype=torch.float64, device=sums.device)[:, None] * sums[:, -1:]
     picks = torch.searchsorted(sums, target, right=True).clamp_(max=n - 1)
     return [int(i) for i in picks[:, 0].tolist()]
@@ -164,7 +163,9 @@ class Sampler:
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
         self._shared_generator.seed()
         self._make_grammars = grammars
-        self._cdf_buffer = torch.empty(0, dtype=torch.float64, device=device)
+        # Scratch tensors kept between steps: [rows, vocab] temporaries allocated afresh each step
+        # cost more in page faults than the arithmetic on them.
+        self._scratch: dict[str, torch.Tensor] = {}
         self._grammars: Grammars | None = None
         self._making = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # grammar work: compiling, masks
@@ -181,6 +182,11 @@ class Sampler:
                 self._grammars = self._make_grammars()
         return self._grammars
 
+    def _grammar_thread(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._thread
+
     def _first_mask(self, grammar: str) -> torch.Tensor:
         return self.grammars.first_mask(grammar)
 
@@ -195,19 +201,18 @@ class Sampler:
         starts: dict[str, str] = {n.request_id: n.params.grammar for n in plan.new_requests if n.params.grammar}
         if not starts and self._thread is None:
             return  # no request has had a grammar yet: nothing to look up
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        thread = self._grammar_thread()
         rows: list[tuple[str, _RequestState]] = []
         for rid in (c.request_id for c in plan.chunks if c.sample):
             if rid in starts:  # announced in this plan: its first mask is its grammar's, cached
                 grammar = starts[rid]
-                self._prepared[rid] = (grammar, 0, self._thread.submit(self._first_mask, grammar), -1)
+                self._prepared[rid] = (grammar, 0, thread.submit(self._first_mask, grammar), -1)
             elif (state := self._requests.get(rid)) is not None and state.matcher is not None:
                 rows.append((rid, state))
         for grammar in set(starts.values()):  # compile early, whether or not this plan samples it
-            self._thread.submit(self._first_mask, grammar)
+            thread.submit(self._first_mask, grammar)
         if rows:
-            future = self._thread.submit(self._masks, [state.matcher for _, state in rows])  # type: ignore[misc]
+            future = thread.submit(self._masks, [state.matcher for _, state in rows])  # type: ignore[misc]
             for i, (rid, state) in enumerate(rows):
                 self._prepared[rid] = (state, state.step, future, i)
 
@@ -220,7 +225,10 @@ class Sampler:
     ) -> None:
         """`output_token_ids`: tokens the request generated before (when it is re-announced);
         `prompt_token_ids`: its prompt, needed only with a repetition penalty."""
-        matcher = self.grammars.matcher(params.grammar) if params.grammar else None
+        matcher = None
+        if params.grammar:
+            matcher = self.grammars.matcher(params.grammar)
+            self._grammar_thread()  # from now on, `prepare` starts this request's masks
         self._requests[request_id] = _RequestState(
             params, self.vocab_size, self.device, output_token_ids, prompt_token_ids, matcher
         )
@@ -278,11 +286,13 @@ class Sampler:
             out.append(Sample(token, float(row[token]), top))
         return out
 
-    def _cdf(self, size: int) -> torch.Tensor:
-        """A float64 buffer of at least `size` elements for `_inverse_transform`, kept."""
-        if self._cdf_buffer.numel() < size:
-            self._cdf_buffer = torch.empty(size, dtype=torch.float64, device=self.device)
-        return self._cdf_buffer
+    def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """Scratch tensor `name` of `shape`, kept (and grown) between steps."""
+        size = shape[0] * shape[1]
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = self._scratch[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return buffer[:size].view(shape)
 
     def _draw(self, logits: torch.Tensor, rows: list[int], states: list[_RequestState]) -> list[int]:
         """A token for each of `rows` (sampled, not greedy), by inverse transform: one uniform u per
@@ -290,7 +300,9 @@ class Sampler:
         top-p are drawn together; the others look only at their candidates (`candidates`)."""
         temperatures = torch.tensor([s.params.temperature for s in states], dtype=logits.dtype, device=logits.device)
         scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # (no gather when every row draws)
-        probs = (scaled / temperatures[:, None]).softmax(-1)  # [rows, vocab]
+        probs = self._buffer("probs", tuple(scaled.shape), scaled.dtype)  # type: ignore[arg-type]
+        torch.div(scaled, temperatures[:, None], out=probs)
+        torch.softmax(probs, -1, out=probs)  # [rows, vocab]
         # A seeded request's u comes from (seed, step), the others' from the shared generator.
         u = [_uniform(s.noise_generator(self._shared_generator)) for s in states]
         out = [0] * len(rows)
@@ -300,12 +312,22 @@ class Sampler:
             min_p = torch.tensor([states[j].params.min_p for j in plain], dtype=p.dtype, device=p.device)[:, None]
             if bool((min_p > 0).any()):
                 p = p.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, 0.0)
-            for j, token in zip(plain, _inverse_transform(p, [u[j] for j in plain], self._cdf(p.numel())), strict=True):
+            for j, token in zip(
+                plain,
+                _inverse_transform(p, [u[j] for j in plain], self._buffer("cdf", tuple(p.shape), torch.float64)),
+                strict=True,
+            ):
                 out[j] = token
         for j, state in enumerate(states):
             if j not in plain:
                 values, order = candidates(probs[j], state.params)
-                out[j] = int(order[_inverse_transform(values[None], [u[j]], self._cdf(values.numel()))[0]])
+                out[j] = int(
+                    order[
+                        _inverse_transform(
+                            values[None], [u[j]], self._buffer("cdf", (1, values.numel()), torch.float64)
+                        )[0]
+                    ]
+                )
         return out
 
     def _constrain(
@@ -317,7 +339,7 @@ class Sampler:
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
         if not biased and not constrained:
             return logits
-        logits = logits.clone()
+        logits = self._buffer("constrained", tuple(logits.shape), logits.dtype).copy_(logits)  # type: ignore[arg-type]
         for i in biased:
             ids, values = states[i].bias  # type: ignore[misc]
             logits[i].index_add_(0, ids, values)
