@@ -314,7 +314,9 @@ class Sampler:
                 p = p.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, 0.0)
             for j, token in zip(
                 plain,
-                _inverse_transform(p, [u[j] for j in plain], self._buffer("cdf", tuple(p.shape), torch.float64)),
+                _inverse_transform(
+                    p, [u[j] for j in plain], self._buffer("cdf", (p.shape[0], p.shape[1]), torch.float64)
+                ),
                 strict=True,
             ):
                 out[j] = token
