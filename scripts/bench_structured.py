@@ -7,7 +7,7 @@ and once without, in alternating rounds. Reports output tokens/s, TTFT p50 and t
 compile time (first and cached) and the time to compute one token's mask per request at
 --requests streams.
 
-    python scripts/bench_structured.py [--model PATH] [--pp 1 2] [--requests 32] [--rounds 3]
+    python scripts/bench_structured.py [--model PATH] [--pp 1 2] [--requests 32] [--rounds 7]
     python scripts/bench_structured.py --vllm DIR    # and against vLLM's CPU build
 
 With --vllm DIR (a Hugging Face directory of the same model, float32 as in scripts/bench_peers.py,
@@ -79,11 +79,13 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
             for i in range(args.requests)
         ]
         await engine.check_grammar(grammar)  # cached before the rounds: they measure a cached grammar
-        # Warm-up (the last stage compiles the grammar once too), which also says how long each
+        # Warm-up (the last stage compiles the grammar once too, and its lexer's states grow with
+        # use), which also says how long each
         # constrained reply is (seeded: the same every round). The unconstrained requests then
         # generate exactly as many tokens, so both kinds of burst do the same work but the masks.
         counts: list[int] = []
-        await burst(engine, prompts, constrained, counts)
+        for _ in range(2):  # llguidance builds its lexer's states as they are first met: warm them
+            await burst(engine, prompts, constrained, counts)
         free = [SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True) for i, n in enumerate(counts)]
         rounds: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
         for r in range(args.rounds):
@@ -216,7 +218,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--vllm", type=Path, default=None, help="also against vLLM, on this checkpoint")
     parser.add_argument("--out", type=Path, default=RESULTS / "structured.json")
     args = parser.parse_args()
