@@ -11,8 +11,9 @@ A request with a grammar has a matcher here (engine/model/grammar.py) that consu
 samples. A greedy or temperature-only row tries its unmasked draw first and is masked only when
 that token breaks the grammar (`tries_first`); the others' masks are computed on a thread of its
 own as soon as the plan arrives (`prepare`), while earlier stages, or this stage's own layers,
-compute the micro-batch, and sampling only waits for them. A re-announced request's matcher consumes the tokens generated before, so a
-replaced last stage constrains exactly as the old one would have.
+compute the micro-batch, and sampling only waits for them. A re-announced request's matcher
+consumes the tokens generated before, so a replaced last stage constrains exactly as the old one
+would have.
 
 A sampled token is drawn by inverse transform: one uniform number per row and step, the first
 token whose cumulative probability exceeds it (no noise over the whole vocabulary: drawing 49k
