@@ -38,6 +38,7 @@ from bench_table_peers import (  # noqa: E402
     table_peers_targets,
 )
 from bench_table_quant import table_quant_kernels, table_quant_perplexity  # noqa: E402
+from bench_table_structured import table_grammar_engines, table_structured  # noqa: E402
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -417,6 +418,8 @@ TABLES: dict[str, Table] = {
     "prefix_cache": Table(("prefix_cache.json",), table_prefix_cache),
     "plan_diff": Table(("plan_diff.json",), table_plan_diff),
     "ab_throughput": Table(("ab_throughput.json",), table_ab_throughput),
+    "structured": Table(("structured.json",), table_structured),
+    "grammar_engines": Table(("grammar_engines.json",), table_grammar_engines),
 }
 
 

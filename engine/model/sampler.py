@@ -8,12 +8,10 @@ argmax or temperature -> top-k -> top-p (on the top-k-renormalised distribution)
 Logprobs are of the raw model distribution (before bias, mask, penalties and temperature).
 
 A request with a grammar has a matcher here (engine/model/grammar.py) that consumes each token it
-samples. A greedy or temperature-only row tries its unmasked draw first and is masked only when
-that token breaks the grammar (`tries_first`); the others' masks are computed on a thread of its
-own as soon as the plan arrives (`prepare`), while earlier stages, or this stage's own layers,
-compute the micro-batch, and sampling only waits for them. A re-announced request's matcher
-consumes the tokens generated before, so a replaced last stage constrains exactly as the old one
-would have.
+samples. Its next mask is computed on a thread of its own as soon as the plan arrives
+(`prepare`), while earlier stages, or this stage's own layers, compute the micro-batch; sampling
+only waits for it. A re-announced request's matcher consumes the tokens generated before, so a
+replaced last stage constrains exactly as the old one would have.
 
 A sampled token is drawn by inverse transform: one uniform number per row and step, the first
 token whose cumulative probability exceeds it (no noise over the whole vocabulary: drawing 49k
@@ -129,16 +127,6 @@ class _RequestState:
         return self.generator
 
 
-def tries_first(params: SamplerParams) -> bool:
-    """Whether a constrained row samples from its unmasked distribution first and is masked only
-    if that token breaks the grammar (greedy, or temperature alone). Rejection sampling: a token
-    a drawn from p is kept if allowed, else the draw is repeated from p restricted to the allowed
-    set A; P(a) = p(a) + (1 - p(A)) p(a) / p(A) = p(a) / p(A), exactly the masked distribution (and
-    an allowed argmax is the masked argmax). With top-k, top-p or min-p, whose cut-offs depend on
-    which tokens are left, the mask comes first."""
-    return not params.top_k and params.top_p >= 1.0 and params.min_p <= 0
-
-
 def _uniform(generator: torch.Generator) -> float:
     """One draw from [0, 1), in float64."""
     return float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
@@ -206,23 +194,20 @@ class Sampler:
         return self.grammars.masks(matchers)
 
     def prepare(self, plan: StepPlan) -> None:
-        """Start the grammar masks of `plan`'s sampled rows that are masked before they draw (see
-        `tries_first`) on the grammar thread, so that they are ready when its logits are (call it as
-        the plan arrives, before its forward); compile new grammars there too. It never waits:
-        everything, even making the Grammars, happens on that thread. Rows whose mask is not
-        started here are masked when sampled, if they need it."""
+        """Start the grammar masks of `plan`'s sampled rows on the grammar thread, so that they are
+        ready when its logits are (call it as the plan arrives, before its forward). It never
+        waits: everything, even making the Grammars, happens on that thread. Rows whose mask is
+        not started here are masked when sampled."""
         starts: dict[str, str] = {n.request_id: n.params.grammar for n in plan.new_requests if n.params.grammar}
         if not starts and self._thread is None:
             return  # no request has had a grammar yet: nothing to look up
         thread = self._grammar_thread()
         rows: list[tuple[str, _RequestState]] = []
-        first = {n.request_id: tries_first(n.params) for n in plan.new_requests}
         for rid in (c.request_id for c in plan.chunks if c.sample):
             if rid in starts:  # announced in this plan: its first mask is its grammar's, cached
-                if not first[rid]:
-                    grammar = starts[rid]
-                    self._prepared[rid] = (grammar, 0, thread.submit(self._first_mask, grammar), -1)
-            elif (state := self._requests.get(rid)) and state.matcher is not None and not tries_first(state.params):
+                grammar = starts[rid]
+                self._prepared[rid] = (grammar, 0, thread.submit(self._first_mask, grammar), -1)
+            elif (state := self._requests.get(rid)) is not None and state.matcher is not None:
                 rows.append((rid, state))
         for grammar in set(starts.values()):  # compile early, whether or not this plan samples it
             thread.submit(self._first_mask, grammar)
@@ -261,14 +246,15 @@ class Sampler:
         """How many top logprobs each of the request's prompt tokens gets (0: its own only)."""
         return self._requests[request_id].params.prompt_logprobs or 0
 
+    @torch.inference_mode()  # the logits are the forward's inference tensors, changed in place here
     def sample(self, request_ids: Sequence[str], logits: torch.Tensor) -> list[Sample]:
-        """logits: [len(request_ids), vocab] float32."""
+        """logits: [len(request_ids), vocab] float32, the step's own: a row with a logit bias or a
+        grammar is changed in place (copying every row would cost more than masking it)."""
         states = [self._requests[r] for r in request_ids]
         want_logprobs = [s.params.logprobs is not None for s in states]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        masked = [i for i, s in enumerate(states) if s.matcher is not None and not tries_first(s.params)]
-        logits = self._constrain(request_ids, states, logits, masked)
+        logits = self._constrain(request_ids, states, logits)
         logits = apply_penalties(logits, states)
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_BELOW]
         if len(greedy) == len(states):  # the common all-greedy batch: no row gather
@@ -282,16 +268,11 @@ class Sampler:
             token_ids[drawn] = torch.tensor(self._draw(logits, drawn, [states[i] for i in drawn]), device=logits.device)
 
         chosen = token_ids.tolist()
-        for i, state in enumerate(states):  # constrained rows that drew unmasked: keep, or draw again
-            if state.matcher is not None and tries_first(state.params):
-                if state.matcher.try_consume_tokens([chosen[i]]) == 0:
-                    chosen[i] = self._redraw(request_ids[i], state, logits[i])
-                    state.matcher.consume_token(chosen[i])
-            elif state.matcher is not None and not state.matcher.consume_token(chosen[i]):
-                log.warning("sampled token %d breaks its grammar: %s", chosen[i], state.matcher.get_error())
         out: list[Sample] = []
         for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
             state.step += 1
+            if state.matcher is not None and not state.matcher.consume_token(token):
+                log.warning("sampled token %d breaks its grammar: %s", token, state.matcher.get_error())
             if state.counts is not None:
                 state.counts[token] += 1
             if state.seen is not None:
@@ -354,55 +335,29 @@ class Sampler:
         return out
 
     def _constrain(
-        self, request_ids: Sequence[str], states: Sequence[_RequestState], logits: torch.Tensor, constrained: list[int]
+        self, request_ids: Sequence[str], states: Sequence[_RequestState], logits: torch.Tensor
     ) -> torch.Tensor:
-        """logits with each row's bias added and, in rows `constrained`, what their grammars
-        forbid set to -inf (a copy, when there is either)."""
+        """logits, in place, with each row's bias added and what its grammar forbids set to -inf."""
         biased = [i for i, s in enumerate(states) if s.bias is not None]
-        if not biased and not constrained:
-            return logits
-        logits = self._buffer("constrained", tuple(logits.shape), logits.dtype).copy_(logits)  # type: ignore[arg-type]
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
         for i in biased:
             ids, values = states[i].bias  # type: ignore[misc]
             logits[i].index_add_(0, ids, values)
         if constrained:
             masks = torch.stack([self._mask(request_ids[i], states[i]) for i in constrained])  # [rows, words]
-            self._apply_masks(logits, masks, constrained)
+            # A grammar in an error state allows nothing: end the output rather than sample noise.
+            empty = (masks == 0).all(dim=1)
+            if empty.any():
+                eos = self.grammars.eos_token_id
+                masks[empty, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
+            rows = torch.tensor(constrained, dtype=torch.long)
+            if cpu_kernels.available(logits.device, torch.float32):
+                cpu_kernels.apply_token_bitmask(logits, masks, rows)
+            else:
+                allowed = unpack_mask(masks, self.vocab_size).to(logits.device)  # [rows, vocab] bool
+                rows = rows.to(logits.device)
+                logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
-
-    def _apply_masks(self, logits: torch.Tensor, masks: torch.Tensor, rows: list[int]) -> None:
-        """In place: -inf in logits[rows[i]] wherever masks[i] has no bit."""
-        # A grammar in an error state allows nothing: end the output rather than sample noise.
-        empty = (masks == 0).all(dim=1)
-        if empty.any():
-            eos = self.grammars.eos_token_id
-            masks[empty, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
-        index = torch.tensor(rows, dtype=torch.long)
-        if cpu_kernels.available(logits.device, torch.float32):
-            cpu_kernels.apply_token_bitmask(logits, masks, index)
-        else:
-            allowed = unpack_mask(masks, self.vocab_size).to(logits.device)  # [rows, vocab] bool
-            index = index.to(logits.device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-    def _redraw(self, request_id: str, state: _RequestState, logits: torch.Tensor) -> int:
-        """The token of a row whose unmasked draw broke its grammar: drawn again from the same
-        logits [vocab] (after bias and penalties), masked. A sampled row's second uniform comes
-        from the same generator, after the first (seeded: still a function of (seed, step))."""
-        self._prepared.pop(request_id, None)
-        assert state.matcher is not None
-        row = logits[None].clone()
-        grammar = state.params.grammar
-        if state.step == 0 and grammar:  # a first token: its grammar's first mask, computed once
-            masks = self.grammars.first_mask(grammar)[None].clone()
-        else:
-            masks = self.grammars.masks([state.matcher])
-        self._apply_masks(row, masks, [0])
-        if state.params.temperature < GREEDY_BELOW:
-            return int(row[0].argmax())
-        probs = (row / state.params.temperature).softmax(-1)
-        u = _uniform(state.generator if state.generator is not None else self._shared_generator)
-        return _inverse_transform(probs, [u], self._buffer("cdf", (1, probs.shape[1]), torch.float64))[0]
 
     def _mask(self, request_id: str, state: _RequestState) -> torch.Tensor:
         """The request's next-token bitmask [words] int32: the one `prepare` started if it still

@@ -1,0 +1,74 @@
+"""The tables of the structured-output benchmarks (scripts/bench_structured.py,
+scripts/bench_grammar_engines.py); rendered by scripts/bench_tables.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bench_format import Result, bold, markdown, num
+
+
+def table_structured(r: Sequence[Result]) -> list[str]:
+    """Constrained against unconstrained bursts, per setting: tokens/s, TTFT, and their ratios."""
+    d = r[0]
+    columns: list[tuple[str, dict[str, Any]]] = [
+        (f"demo (int4), PP={run['pp']}, in-process", run["median"]) for run in d["runs"]
+    ]
+    http = d.get("http") or {}
+    for name, key in (("ppserve", "ppserve-pp1"), ("vLLM", "vllm")):
+        if key in http:
+            columns.append((f"{name}, float32, HTTP", http[key]["median"]))
+
+    def ratio(m: dict[str, Any], key: str) -> float:
+        return float(m["constrained"][key] / m["unconstrained"][key])
+
+    ratios = [(ratio(m, "tok_s"), ratio(m, "ttft_p50_s")) for _, m in columns]
+    rows = [
+        ["output tokens/s, unconstrained", *(num(m["unconstrained"]["tok_s"], 0) for _, m in columns)],
+        ["output tokens/s, JSON schema", *(num(m["constrained"]["tok_s"], 0) for _, m in columns)],
+        ["ratio (target >= 0.95)", *(bold(num(t, 3), t >= 0.95) for t, _ in ratios)],
+        ["TTFT p50 ratio (target <= 1.10)", *(bold(num(f, 3), f <= 1.10) for _, f in ratios)],
+    ]
+    g = d["grammar"]
+    lines = markdown(["", *(name for name, _ in columns)], rows)
+    lines += [
+        "",
+        f"The schema compiled in {num(g['compile_first_ms'], 2)} ms the first time, "
+        f"{num(g['compile_cached_ms'] * 1000, 0)} µs from the cache; a mask took "
+        f"{num(g['mask_us_p50'], 1)} µs per request (p50, {num(g['mask_us_max'], 0)} µs at most) at "
+        f"{d['settings']['requests']} streams.",
+    ]
+    return lines
+
+
+def table_grammar_engines(r: Sequence[Result]) -> list[str]:
+    """llguidance against xgrammar: install size, compile time, mask time."""
+    d = r[0]
+    engines = ("llguidance", "xgrammar")
+
+    def installed(e: str) -> str:
+        sizes = d[e]["installed_mb"]
+        return " + ".join(f"{name} {num(mb, 1)}" for name, mb in sizes.items())
+
+    def requirements(e: str) -> str:
+        return ", ".join(x.split(";")[0].split(">")[0] for x in d[e]["requires"]) or "none"
+
+    def masks(e: str) -> str:
+        return f"{num(d[e]['mask_us_p50'], 1)} / {num(d[e]['mask_us_max'], 0)}"
+
+    rows = [
+        ["version", *(d[e]["version"] for e in engines)],
+        ["installed, MB (with its heavy dependencies)", *(installed(e) for e in engines)],
+        [
+            "other requirements",
+            *(", ".join(x.split(";")[0].split(">")[0] for x in d[e]["requires"]) or "none" for e in engines),
+        ],
+        ["compile the schema, ms", *(num(d[e]["compile_ms"], 1) for e in engines)],
+        ["tokenizer set-up, ms (once per model)", *(num(d[e]["tokenizer_setup_ms"], 0) for e in engines)],
+        [
+            "mask per request and token, µs: p50 / max",
+            *(f"{num(d[e]['mask_us_p50'], 1)} / {num(d[e]['mask_us_max'], 0)}" for e in engines),
+        ],
+    ]
+    return markdown(["", *engines], rows)
