@@ -70,6 +70,14 @@ def test_top_p_over_a_large_vocabulary_matches_reference(scale: float) -> None:
         assert torch.allclose(got, want, atol=1e-6), params
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-45])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    sampler.add_request("r", SamplingParams(temperature=1.0, top_p=top_p, seed=1))
+    assert sampler.sample(["r"], logits.clone())[0].token_id == int(logits.argmax())
+
+
 def test_plain_draws_follow_the_distribution() -> None:
     """Rows without top-k or top-p are drawn together (inverse transform over the whole
     vocabulary): each row's empirical frequencies stay within a few standard errors."""

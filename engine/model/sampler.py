@@ -421,6 +421,7 @@ def candidates(probs: torch.Tensor, params: SamplerParams) -> tuple[torch.Tensor
                 share = values
             # Drop a token once the tokens before it already cover top_p (the first always stays).
             keep = (share.cumsum(0) - share) < params.top_p
+            keep[0] = True  # (a top_p below float32's smallest number compares as 0)
             values, order = values[keep], order[keep]
     else:
         values, order = probs, torch.arange(vocab, device=probs.device)
