@@ -322,8 +322,9 @@ class Sampler:
                 strict=True,
             ):
                 out[j] = token
+        picked = set(plain)
         for j, state in enumerate(states):
-            if j not in plain:
+            if j not in picked:
                 values, order = candidates(probs[j], state.params)
                 out[j] = int(
                     order[
