@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from ppserve.engine.model.sampler import TOP_P_CANDIDATES, Sampler, apply_penalties, filtered_probs
+from ppserve.engine.model.sampler import (
+    BLOCK,
+    TOP_P_CANDIDATES,
+    Sampler,
+    apply_penalties,
+    filtered_probs,
+    inverse_transform,
+)
 from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -95,6 +102,25 @@ def test_plain_draws_follow_the_distribution() -> None:
         stderr = torch.sqrt(probs * (1 - probs) / n)
         assert ((counts[row] / n - probs).abs() <= 4 * stderr + 1e-9).all()
         assert counts[row][probs == 0].sum() == 0
+
+
+@pytest.mark.parametrize("n", [1, 3, BLOCK - 1, BLOCK, BLOCK + 1, 4 * BLOCK + 7, 49152])
+def test_two_level_draw_matches_one_cumulative_sum(n: int) -> None:
+    """The draw picks a block by the blocks' sums, then a token in it: for any u it picks what
+    one float64 cumulative sum over the row would, never a zero weight, even at u's extremes."""
+    gen = torch.Generator().manual_seed(n)
+    weights = torch.rand(6, n, generator=gen) ** 8  # many tiny weights
+    weights[weights < 0.05] = 0.0
+    weights[:, -1] = 0.0  # a zero tail: a target rounded up to the total must not land there
+    weights[torch.arange(6), torch.randint(0, max(n - 1, 1), (6,), generator=gen)] = 0.5
+    cdf = weights.double().cumsum(-1)
+    us = [torch.rand(6, dtype=torch.float64, generator=gen).tolist() for _ in range(40)]
+    for u in [*us, [0.0] * 6, [1 - 2**-53] * 6]:
+        picks = inverse_transform(weights, u)
+        assert all(weights[i, t] > 0 for i, t in enumerate(picks))
+        if u[0] < 1 - 2**-52:  # (at the very top, one sum may round past the total, the other not)
+            target = torch.tensor(u, dtype=torch.float64)[:, None] * cdf[:, -1:]
+            assert picks == torch.searchsorted(cdf, target, right=True)[:, 0].tolist()
 
 
 def test_penalties_match_reference() -> None:

@@ -14,11 +14,11 @@ only waits for it. A re-announced request's matcher consumes the tokens generate
 replaced last stage constrains exactly as the old one would have.
 
 A sampled token is drawn by inverse transform: one uniform number per row and step, the first
-token whose cumulative probability exceeds it (no noise over the whole vocabulary: drawing 49k
-exponentials per row cost a millisecond). A seeded request draws its number from a generator
-seeded with (seed, step), so its output depends on its seed, its step and its logits only: never
-on what else is in the batch, and never on the sampler's history (a replaced last stage carries
-on exactly).
+token whose cumulative probability exceeds it, found block by block (`inverse_transform`; no
+noise over the whole vocabulary: drawing 49k exponentials per row cost a millisecond). A seeded
+request draws its number from a generator seeded with (seed, step), so its output depends on its
+seed, its step and its logits only: never on what else is in the batch, and never on the
+sampler's history (a replaced last stage carries on exactly).
 """
 
 from __future__ import annotations
@@ -132,16 +132,46 @@ def _uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
 
 
-def _inverse_transform(weights: torch.Tensor, u: list[float], cdf: torch.Tensor) -> list[int]:
-    """weights: [rows, n] >= 0, unnormalised -> per row, the index of the first weight whose
-    cumulative sum exceeds u * the total (a zero weight is never chosen). Summed in float64 (`cdf`:
-    a [rows, n] float64 scratch tensor), so that the draw follows the weights to far below any
+# The draw sums weights in blocks of this many tokens (see `inverse_transform`).
+BLOCK = 256
+
+
+def inverse_transform(weights: torch.Tensor, u: list[float]) -> list[int]:
+    """weights: [rows, n] >= 0, unnormalised, unit column stride -> per row, the index of the
+    first weight whose cumulative sum exceeds u * the total (a zero weight is never chosen).
+
+    In two levels: a block of BLOCK weights by the blocks' sums, then a weight within that block.
+    Only one block per row is summed cumulatively: a cumulative sum over the whole vocabulary is
+    a sequential pass (it cost more than the softmax), block sums are a vectorised reduction.
+    Cumulative sums are float64, so that the draw follows the weights to far below any
     probability a test could see."""
-    n = weights.shape[1]
-    sums = cdf.copy_(weights).cumsum_(-1)
-    target = torch.tensor(u, dtype=torch.float64, device=sums.device)[:, None] * sums[:, -1:]
-    picks = torch.searchsorted(sums, target, right=True).clamp_(max=n - 1)
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    rows, n = weights.shape
+    full = n // BLOCK
+    sums = weights.as_strided((rows, full, BLOCK), (weights.stride(0), BLOCK, 1)).sum(-1)  # [rows, blocks]
+    if n % BLOCK:
+        sums = torch.cat([sums, weights[:, full * BLOCK :].sum(-1, keepdim=True)], dim=1)
+    cdf = sums.double().cumsum_(-1)
+    target = torch.tensor(u, dtype=torch.float64, device=weights.device)[:, None] * cdf[:, -1:]
+    block = _first_above(cdf, target, sums)  # [rows, 1]
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
+    columns = block * BLOCK + torch.arange(BLOCK, device=weights.device)  # [rows, BLOCK]
+    inside = weights.gather(1, columns.clamp(max=n - 1)).masked_fill_(columns >= n, 0.0)
+    inner = inside.double().cumsum_(-1)
+    # The block's own cumulative sum ends slightly off its float32 sum: scale the target to it.
+    share = ((target - before) / sums.gather(1, block).double()).clamp_(0.0, 1.0)
+    picks = block * BLOCK + _first_above(inner, share * inner[:, -1:], inside)
     return [int(i) for i in picks[:, 0].tolist()]
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per row [rows, 1]: the first index whose cumulative sum `cdf` exceeds `target`, never past
+    the last positive weight (a target rounded up to the total would otherwise pick beyond it)."""
+    picks = torch.searchsorted(cdf, target, right=True)
+    positions = torch.arange(weights.shape[1], device=weights.device)
+    last = torch.where(weights > 0, positions, 0).amax(-1, keepdim=True)
+    return torch.minimum(picks, last)
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -314,25 +344,13 @@ class Sampler:
             min_p = torch.tensor([states[j].params.min_p for j in plain], dtype=p.dtype, device=p.device)[:, None]
             if bool((min_p > 0).any()):
                 p = p.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, 0.0)
-            for j, token in zip(
-                plain,
-                _inverse_transform(
-                    p, [u[j] for j in plain], self._buffer("cdf", (p.shape[0], p.shape[1]), torch.float64)
-                ),
-                strict=True,
-            ):
+            for j, token in zip(plain, inverse_transform(p, [u[j] for j in plain]), strict=True):
                 out[j] = token
         picked = set(plain)
         for j, state in enumerate(states):
             if j not in picked:
                 values, order = candidates(probs[j], state.params)
-                out[j] = int(
-                    order[
-                        _inverse_transform(
-                            values[None], [u[j]], self._buffer("cdf", (1, values.numel()), torch.float64)
-                        )[0]
-                    ]
-                )
+                out[j] = int(order[inverse_transform(values[None], [u[j]])[0]])
         return out
 
     def _constrain(
