@@ -19,7 +19,7 @@ from ppserve.engine.model.model_config import ConfigError
 from ppserve.server.cli_clients import add_client_flags, server_options
 from ppserve.server.cli_cluster import add_disaggregation_flags, run_loop, serve_node
 from ppserve.server.cli_engine import add_engine_flags, engine_settings
-from ppserve.server.cli_sampling import add_sampling_flags, sampling_params
+from ppserve.server.cli_sampling import add_sampling_flags, constraint_flag, sampling_params
 from ppserve.server.listen import bind_http
 
 if TYPE_CHECKING:
@@ -172,12 +172,18 @@ def _generate(args: argparse.Namespace) -> None:
     if any(p == "" for p in prompts):
         raise ValueError("the prompt is empty")
     _sigterm_as_sigint()
-    run_loop(_generate_all(config, prompts, params, args.chat, args.json))
+    run_loop(_generate_all(config, prompts, params, args.chat, args.json, constraint_flag(args)))
 
 
 async def _generate_all(
-    config: EngineConfig, prompts: list[str | list[int]], params: SamplingParams, chat: bool, as_json: bool
+    config: EngineConfig,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    chat: bool,
+    as_json: bool,
+    constraint: str | None,
 ) -> None:
+    """`constraint`: the flag that gave params.grammar, which its errors name."""
     from ppserve.engine.async_engine import AsyncEngine
 
     if config.synthetic_latency:
@@ -189,6 +195,11 @@ async def _generate_all(
         encoded = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         for ids in encoded:
             engine.check_request(ids, params)
+        if params.grammar is not None:
+            try:
+                await engine.check_grammar(params.grammar)
+            except ValueError as e:
+                raise ValueError(f"{constraint}: {' '.join(str(e).split())}") from None  # one line
         results = await asyncio.gather(*[_one(engine, ids, params) for ids in encoded])
     for ids, result in zip(encoded, results, strict=True):
         if not as_json:

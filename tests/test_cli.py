@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,6 +103,24 @@ def test_stop_string(llama_dir: Path) -> None:
     assert cut["finish_reason"] == "stop"
 
 
+def test_generate_constrained(llama_dir: Path, tmp_path: Path) -> None:
+    """The constraint flags hold even on random weights; --logit-bias forces a token."""
+    base = ["generate", "--model", str(llama_dir), "--prompt", "Say", "--max-tokens", "12", "--json", "--seed", "3"]
+    out = json.loads(run_cli(*base, "--regex", "[0-9]{3}-[a-c]+").stdout)
+    assert re.fullmatch("[0-9]{3}-[a-c]+", out["text"]), out
+    out = json.loads(run_cli(*base, "--choice", "yes", "--choice", "no").stdout)
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop", out
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    out = json.loads(run_cli(*base, "--max-tokens", "40", "--json-schema", f"@{schema}").stdout)
+    if out["finish_reason"] == "stop":  # (random weights may use up max_tokens inside the number)
+        assert isinstance(json.loads(out["text"])["n"], int), out
+    else:
+        assert out["text"].startswith('{"n": '), out
+    out = json.loads(run_cli(*base, "--logit-bias", "7=100", "--temperature", "1").stdout)
+    assert out["token_ids"] and set(out["token_ids"]) == {7}, out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -121,6 +140,12 @@ def test_stop_string(llama_dir: Path) -> None:
         (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
         (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),
+        (["--prompt", "x", "--regex", "(unclosed"], "--regex: "),
+        (["--prompt", "x", "--json-schema", "{nope"], "--json-schema: not JSON"),
+        (["--prompt", "x", "--json-schema", '{"type": "integer", "minimum": 5, "maximum": 1}'], "--json-schema: "),
+        (["--prompt", "x", "--regex", "a", "--choice", "b"], "not allowed with argument"),
+        (["--prompt", "x", "--logit-bias", "7"], "--logit-bias wants TOKEN=BIAS"),
+        (["--prompt", "x", "--logit-bias", "7=101"], "logit_bias"),
         (["--prompt", "x", "--pp-size", "2", "--nnodes", "2"], "needs --dist-init-addr HOST:PORT"),
         (["--prompt", "x", "--pp-size", "2", "--nnodes", "2", "--dist-init-addr", "nope"], "expected HOST:PORT"),
         (["--prompt", "x", "--pp-size", "2", "--nnodes", "2", *CLUSTER_AT], "needs a shared secret"),
