@@ -56,11 +56,18 @@ def _greedy(server: LiveServer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def target(llama_dir: Path) -> Iterator[Target]:
+def target(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     # A short context keeps fuzzed requests cheap (a larger max_tokens is a 400): the costliest
-    # request of a run takes about 1 s here, well under HANG_S.
+    # request of a run takes about 1 s here, well under HANG_S. A request that names no max_tokens
+    # gets the model's max_new_tokens (8 here), not the rest of the context: most valid fuzzed
+    # chat requests name none, and generating 100 tokens each took most of the run.
+    model = tmp_path_factory.mktemp("fuzzed-model")
+    for f in llama_dir.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 8}))
     server = LiveServer(
-        llama_dir, "--pp-size", "2", "--kv-cache-gb", "0.02", "--max-model-len", "128", "--tensor-transport", "shm"
+        model, "--pp-size", "2", "--kv-cache-gb", "0.02", "--max-model-len", "128", "--tensor-transport", "shm"
     )
     try:
         yield Target(server, _greedy(server))
