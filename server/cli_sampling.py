@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ppserve.engine.model.grammar import build_grammar
 from ppserve.scheduler.sampling_params import FIELDS, SamplingParams
 
 # Fields without a flag of their own: max_tokens has one in cli.py, whose default is the model's
@@ -69,6 +68,8 @@ def _grammar(args: argparse.Namespace) -> str | None:
     flag = constraint_flag(args)
     if flag is None:
         return None
+    from ppserve.engine.model.grammar import build_grammar  # (torch: not for --help or a bad flag)
+
     name, kind, read = next(c for c in CONSTRAINT_FLAGS if "--" + c[0].replace("_", "-") == flag)
     try:
         return build_grammar(kind, read(getattr(args, name)))
