@@ -228,18 +228,14 @@ def _schema_requests(tok: Tokenizer) -> tuple[list[dict[str, Any]], list[list[in
     return schemas, prompts, params
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 3])
-async def test_fifty_random_schemas_always_validate(smollm2_gguf: Path, pp: int) -> None:
-    async with AsyncEngine(_demo_config(smollm2_gguf, pp)) as engine:
-        schemas, prompts, params = _schema_requests(engine.tokenizer)
-        texts = await _texts(engine, prompts, params)
+def _assert_valid(schemas: list[dict[str, Any]], texts: list[str]) -> None:
     bad = [(s, t) for s, t in zip(schemas, texts, strict=True) if not _valid(t, s)]
     assert not bad, bad[:3]
 
 
 @pytest.mark.slow
-async def test_a_killed_stage_gives_identical_constrained_output(smollm2_gguf: Path) -> None:
+async def test_fifty_schemas_at_pp3_and_a_killed_stage_gives_identical_output(smollm2_gguf: Path) -> None:
+    """The fifty schemas validate at PP=3, and a run whose last stage is killed gives the same text."""
     # Float weights: recovery recomputes the KV by prefill, whose attention kernel rounds differently
     # from decode's; with int8 activations (weights kept quantized) that can flip a near-tie, which
     # is recovery's property, not the grammar's (docs/recovery.md). The matchers are what is tested.
@@ -247,6 +243,7 @@ async def test_a_killed_stage_gives_identical_constrained_output(smollm2_gguf: P
     async with AsyncEngine(config) as engine:
         schemas, prompts, params = _schema_requests(engine.tokenizer)
         expected = await _texts(engine, prompts, params)
+    _assert_valid(schemas, expected)
     async with AsyncEngine(config) as engine:
         assert engine._pool is not None
         tasks = asyncio.ensure_future(_texts(engine, prompts, params))
@@ -255,17 +252,19 @@ async def test_a_killed_stage_gives_identical_constrained_output(smollm2_gguf: P
         got = await asyncio.wait_for(tasks, timeout=180)  # a guard against a hang, not a speed check
         assert engine.stage_restarts == [0, 0, 1]
     assert got == expected
-    assert all(_valid(t, s) for s, t in zip(schemas, got, strict=True))
 
 
 @pytest.mark.slow
-async def test_prefill_decode_disaggregation_continues_the_grammar(smollm2_gguf: Path) -> None:
+async def test_fifty_schemas_at_pp1_and_disaggregated(smollm2_gguf: Path) -> None:
+    """On the demo (weights kept quantized): every one of fifty random schemas validates at PP=1,
+    and a prefill/decode pair (the first token sampled on the prefill side) gives the same text."""
     key = {"disagg_key": b"a-secret-for-the-pair-0123"}
     with_prefill = _demo_config(smollm2_gguf, 1, disaggregation="prefill", **key)
     with_decode = _demo_config(smollm2_gguf, 2, disaggregation="decode", **key)
     async with AsyncEngine(_demo_config(smollm2_gguf, 1)) as colocated:
         schemas, prompts, params = _schema_requests(colocated.tokenizer)
         expected = await _texts(colocated, prompts, params)
+    _assert_valid(schemas, expected)
     async with AsyncEngine(with_prefill) as p, AsyncEngine(with_decode) as d:
         assert p.rooms is not None
         at = p.rooms.address
@@ -276,4 +275,3 @@ async def test_prefill_decode_disaggregation_continues_the_grammar(smollm2_gguf:
 
         got = await asyncio.gather(*(one(pr, sp) for pr, sp in zip(prompts, params, strict=True)))
     assert got == expected
-    assert all(_valid(t, s) for s, t in zip(schemas, got, strict=True))
