@@ -19,7 +19,7 @@ from live_server import ROOT, LiveServer
 from ppserve.engine.model.grammar import build_grammar
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.server.cli import build_parser
+from ppserve.server.cli import build_parser, main
 from ppserve.server.cli_sampling import sampling_params
 
 CLUSTER_AT = ["--dist-init-addr", "127.0.0.1:29999"]
@@ -145,14 +145,12 @@ def test_generate_constrained(llama_dir: Path) -> None:
         (["--prompt", "x", "--max-stage-restarts", "-1"], "max_stage_restarts must be >= 0"),
         (["--prompt", "x", "--dtype", "int4"], "dtype must be auto"),
         (["--input-ids", "1,x"], "expected comma-separated token ids"),
-        (["--input-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
         (["--prompt", "x", "--input-ids", "1"], "not allowed with argument"),
         (["--prompt", ""], "the prompt is empty"),
         (["--prompt", "x", "--chunked-prefill-size", "0"], "chunked_prefill_size must be >= 1"),
         (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
         (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),
-        (["--prompt", "x", "--regex", "(unclosed"], "--regex: "),
         (["--prompt", "x", "--json-schema", "{nope"], "--json-schema: not JSON"),
         (["--prompt", "x", "--regex", "a", "--choice", "b"], "not allowed with argument"),
         (["--prompt", "x", "--logit-bias", "7"], "--logit-bias wants TOKEN=BIAS"),
@@ -181,7 +179,27 @@ def test_generate_constrained(llama_dir: Path) -> None:
         (["--prompt", "x", "--disaggregation-mode", "prefill"], "unrecognized arguments"),  # serve only
     ],
 )
-def test_bad_arguments_one_line_exit_2(llama_dir: Path, args: list[str], message: str) -> None:
+def test_bad_arguments_one_line_exit_2(
+    llama_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each is refused before any stage starts: run in this process (main() as the console
+    script calls it), which spares a Python start per case."""
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", str(llama_dir), *args, "--kv-cache-gb", "0.02"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--input-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
+        (["--prompt", "x", "--regex", "(unclosed"], "--regex: "),
+    ],
+)
+def test_arguments_the_engine_refuses_one_line_exit_2(llama_dir: Path, args: list[str], message: str) -> None:
     res = run_cli("generate", "--model", str(llama_dir), *args)
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
