@@ -308,8 +308,6 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
         if other:
             raise ApiError(400, f"tool_choice {mode!r} constrains the output; {other[0]} cannot too", other[0])
         return "tools", ("json", schema)
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_dicts(self.messages)
