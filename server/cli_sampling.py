@@ -59,22 +59,27 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
 
 def constraint_flag(args: argparse.Namespace) -> str | None:
     """The constraint flag given (--json-schema, --regex, ...), if one is."""
-    given = [flag for flag, _, _ in CONSTRAINT_FLAGS if getattr(args, flag) not in (None, False)]
+    given = _given(args)
     return "--" + given[0].replace("_", "-") if given else None
 
 
 def _grammar(args: argparse.Namespace) -> str | None:
     """The grammar text that the constraint flags ask for (ValueError naming the flag if invalid)."""
-    flag = constraint_flag(args)
-    if flag is None:
+    given = _given(args)
+    if given is None:
         return None
     from ppserve.engine.model.grammar import build_grammar  # (torch: not for --help or a bad flag)
 
-    name, kind, read = next(c for c in CONSTRAINT_FLAGS if "--" + c[0].replace("_", "-") == flag)
+    name, kind, read = given
     try:
         return build_grammar(kind, read(getattr(args, name)))
     except (ValueError, OSError) as e:
-        raise ValueError(f"{flag}: {e}") from None
+        raise ValueError(f"{constraint_flag(args)}: {e}") from None
+
+
+def _given(args: argparse.Namespace) -> tuple[str, str, Callable[[Any], Any]] | None:
+    """The CONSTRAINT_FLAGS entry of the constraint flag given (argparse lets at most one be)."""
+    return next((c for c in CONSTRAINT_FLAGS if getattr(args, c[0]) not in (None, False)), None)
 
 
 def _schema(value: str) -> Any:
