@@ -104,10 +104,11 @@ def test_plain_draws_follow_the_distribution() -> None:
         assert counts[row][probs == 0].sum() == 0
 
 
-@pytest.mark.parametrize("n", [1, 3, BLOCK - 1, BLOCK, BLOCK + 1, 4 * BLOCK + 7, 49152])
+@pytest.mark.parametrize("n", [1, 3, BLOCK - 1, BLOCK, BLOCK + 1, 4 * BLOCK, 4 * BLOCK + 7, 49152])
 def test_two_level_draw_matches_one_cumulative_sum(n: int) -> None:
-    """The draw picks a block by the blocks' sums, then a token in it: for any u it picks what
-    one float64 cumulative sum over the row would, never a zero weight, even at u's extremes."""
+    """Up to SMALL weights, one cumulative sum; above, a block by the blocks' sums, then a token in
+    it. Either way, for any u it picks what one float64 cumulative sum over the row would, and
+    never a zero weight, even at u's extremes."""
     gen = torch.Generator().manual_seed(n)
     weights = torch.rand(6, n, generator=gen) ** 8  # many tiny weights
     weights[weights < 0.05] = 0.0

@@ -132,8 +132,10 @@ def _uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
 
 
-# The draw sums weights in blocks of this many tokens (see `inverse_transform`).
+# The draw sums weights in blocks of this many tokens (see `inverse_transform`), unless there are
+# at most SMALL of them.
 BLOCK = 256
+SMALL = 4 * BLOCK
 
 
 def inverse_transform(weights: torch.Tensor, u: list[float]) -> list[int]:
@@ -148,6 +150,10 @@ def inverse_transform(weights: torch.Tensor, u: list[float]) -> list[int]:
     if weights.stride(1) != 1:
         weights = weights.contiguous()
     rows, n = weights.shape
+    if n <= SMALL:  # a few candidates (top-k, top-p): one cumulative sum costs less than two levels
+        cdf = weights.double().cumsum_(-1)
+        target = torch.tensor(u, dtype=torch.float64, device=weights.device)[:, None] * cdf[:, -1:]
+        return [int(i) for i in _first_above(cdf, target, weights)[:, 0].tolist()]
     full = n // BLOCK
     sums = weights.as_strided((rows, full, BLOCK), (weights.stride(0), BLOCK, 1)).sum(-1)  # [rows, blocks]
     if n % BLOCK:
