@@ -37,7 +37,7 @@ from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.runtime.core import EngineCore, Outputs
 from ppserve.engine.runtime.executors import StagePoolExecutor
 from ppserve.engine.runtime.restart_budget import RestartBudget
-from ppserve.engine.runtime.stage_pool import StageError, StagePool
+from ppserve.engine.runtime.stage_pool import NoRoomError, StageError, StagePool
 from ppserve.engine.runtime.timeline import Timeline
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -75,6 +75,7 @@ class EngineStats:
     prefix_cache_blocks: int  # KV blocks holding a findable prefix now (in use or kept for reuse)
     prefix_cache_evictions: int  # cached blocks given to new contents (since start)
     stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
+    stage_nodes: tuple[tuple[str, str], ...] = ()  # under Ray, per stage: its node's Ray id and address
 
 
 @dataclass
@@ -104,6 +105,9 @@ class AsyncEngine:
         self.stage_restarts = [0] * config.pp_size
         self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
         self._recovery: asyncio.Task[None] | None = None
+        # Under Ray, while no node has room for a lost stage: requests fail with this, and the
+        # recovery keeps trying until capacity returns.
+        self.unavailable: NoRoomError | None = None
         self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
@@ -112,7 +116,12 @@ class AsyncEngine:
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
-        pool = StagePool(self.config, self._on_stage_failure)
+        if self.config.ray is not None:
+            from ppserve.engine.cluster.ray_stages import RayStagePool
+
+            pool: StagePool = RayStagePool(self.config, self._on_stage_failure)
+        else:
+            pool = StagePool(self.config, self._on_stage_failure)
         self._pool = pool
         atexit.register(pool.kill_now)
         try:
@@ -305,6 +314,8 @@ class AsyncEngine:
     def _check_admission(self, pending: int = 0) -> None:
         if not self.healthy:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not started")
+        if self.unavailable is not None:
+            raise self.unavailable
         if len(self.scheduler.waiting) + pending >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
 
@@ -349,6 +360,7 @@ class AsyncEngine:
             prefix_cache_blocks=s.allocator.num_cached,
             prefix_cache_evictions=s.allocator.num_evictions,
             stage_tokens=tuple(self.timeline.stage_tokens),
+            stage_nodes=tuple((p.node_id, p.address) for p in getattr(self._pool, "places", ())),
         )
 
     # ---- results --------------------------------------------------------------------------
@@ -442,9 +454,10 @@ class AsyncEngine:
         """Replace the failed stage while its requests wait, then carry on from their tokens."""
         assert self._pool is not None and self._core is not None
         self._core.pause()
+        charge = True  # waiting for room anywhere in a Ray cluster costs no restart
         while True:
             cfg = self.config
-            if error.stage is None or not self._budget.take(time.monotonic()):
+            if error.stage is None or (charge and not self._budget.take(time.monotonic())):
                 log.error(
                     "no stage restart left (at most %d per %.0f s); the engine is dead",
                     cfg.max_stage_restarts,
@@ -458,7 +471,11 @@ class AsyncEngine:
                 replaced = await self._pool.replace(error.stage, self.scheduler.next_mb_id)
             except StageError as e:
                 log.error("replacing stage %d failed: %s", error.stage, e)
-                error = e
+                error, charge = e, not isinstance(e, NoRoomError)
+                if isinstance(e, NoRoomError) and self.unavailable is None:
+                    self.unavailable = e  # what waits fails now, naming what is missing
+                    self.scheduler.fail_all()
+                    self._fail_streams(e)
                 continue
             if self.error is not None:
                 return  # another host task failed meanwhile: the engine is dead already
@@ -466,7 +483,7 @@ class AsyncEngine:
                 self.stage_restarts[i] += 1
             break
         log.info("pipeline repaired (stage(s) %s replaced); serving again", ", ".join(map(str, replaced)))
-        self._recovery = None
+        self._recovery = self.unavailable = None
         self._core.resume()
 
     def _die(self, error: EngineDeadError) -> None:

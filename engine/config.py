@@ -12,6 +12,7 @@ import torch
 
 from ppserve.engine.cluster.config import ClusterConfig
 from ppserve.engine.cluster.devices import shares_a_gpu, stage_gpus
+from ppserve.engine.cluster.ray_config import RayConfig
 from ppserve.engine.disagg.faults import DisaggFaults
 from ppserve.engine.environment import READERS
 from ppserve.engine.environment import read as read_environment
@@ -68,6 +69,7 @@ class EngineConfig:
     stage_restart_window_s: float = 600.0
     stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/cluster/devices.py)
     cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster/config.py); None: one host
+    ray: RayConfig | None = None  # stages as Ray actors, placed by Ray (engine/cluster/ray_config.py)
     disaggregation: str = ""  # "prefill" | "decode": one side of a disaggregated pair; "": both in one
     disagg_host: str = "127.0.0.1"  # disaggregation sockets bind here (prefill: its bootstrap port too)
     disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
@@ -157,10 +159,15 @@ class EngineConfig:
             raise ConfigError("--gpu-ids needs --device cuda")
         if cluster is not None and len(cluster.stage_nodes) != pp_size:
             raise ConfigError(f"the cluster places {len(cluster.stage_nodes)} stages, but --pp-size is {pp_size}")
-        nodes = cluster.stage_nodes if cluster is not None else (0,) * pp_size
+        if cluster is not None and s["ray"] is not None:
+            raise ConfigError("--executor ray places the stages itself: it takes no --nnodes")
+        # Under Ray, where a stage lands is known only once it is placed: every edge may cross nodes.
+        nodes = cluster.stage_nodes if cluster is not None else tuple(range(pp_size)) if s["ray"] else (0,) * pp_size
         try:
             gpus: tuple[int, ...] = ()
-            if device == "cuda":  # each node numbers its own devices
+            if device == "cuda" and s["ray"] is not None:
+                gpus = (0,) * pp_size  # Ray gives each stage's actor one GPU of its own
+            elif device == "cuda":  # each node numbers its own devices
                 for node in sorted(set(nodes)):
                     gpus += stage_gpus(nodes.count(node), torch.cuda.device_count(), gpu_ids)
             shared = shares_a_gpu([n * 1_000_000 + g for n, g in zip(nodes, gpus, strict=False)])
@@ -196,7 +203,14 @@ class EngineConfig:
     def socket_key(self) -> bytes | None:
         """The secret that guards this engine's sockets across machines (a cluster's, else a
         disaggregated pair's), if one was given."""
-        return self.cluster.key if self.cluster is not None else self.disagg_key
+        if self.cluster is not None:
+            return self.cluster.key
+        return self.ray.key if self.ray is not None else self.disagg_key
+
+    @property
+    def across_hosts(self) -> bool:
+        """Whether stages may run on other machines than the host (the sockets are then TCP)."""
+        return self.cluster is not None or self.ray is not None
 
     def disagg_address(self, port: int | None = None) -> str:
         """A ZeroMQ address on the disaggregation host: at `port`, else any free port."""

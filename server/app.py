@@ -118,6 +118,8 @@ class ServerState:
     def health(self) -> tuple[Literal["ok", "recovering", "unhealthy"], str | None]:
         """The status word of /health, and why it is unhealthy."""
         engine = self.engine
+        if engine is not None and engine.unavailable is not None and engine.error is None:
+            return "unhealthy", str(engine.unavailable)  # no room for a stage: the engine keeps trying
         if engine is not None and engine.recovering and not self.shutting_down:
             return "recovering", None
         if engine is not None and engine.healthy and not self.shutting_down:
@@ -207,6 +209,12 @@ class ServerState:
                 await self.ready.check_grammar(params.grammar)
             except ValueError as e:
                 raise ApiError(400, f"{field_name}: {e}", field_name) from None
+
+    def stage_nodes(self) -> dict[str, list[dict[str, str | int]]]:
+        """Under Ray, for /health: `stages`, each stage's Ray node id and address."""
+        if self.engine is None or not (nodes := self.engine.stats().stage_nodes):
+            return {}
+        return {"stages": [{"stage": i, "node_id": n, "address": a} for i, (n, a) in enumerate(nodes)]}
 
     def disaggregation(self) -> dict[str, str] | None:
         """This server's side of a disaggregated pair, for /health (a router reads it)."""
@@ -363,10 +371,11 @@ async def health(request: web.Request) -> web.Response:
         # A failed stage is being replaced: requests wait rather than fail, but a load balancer
         # should send new ones elsewhere for now.
         return web.json_response({"status": status}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    stages = request.app[STATE].stage_nodes()
     if status == "ok":
         pd = request.app[STATE].disaggregation()
-        return web.json_response({"status": status, **({"disaggregation": pd} if pd else {})})
-    return web.json_response({"status": status, "error": error}, status=503)
+        return web.json_response({"status": status, **({"disaggregation": pd} if pd else {}), **stages})
+    return web.json_response({"status": status, "error": error, **stages}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

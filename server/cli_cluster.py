@@ -10,9 +10,14 @@ import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ppserve.engine.cluster.ray_config import STRATEGIES
+
 if TYPE_CHECKING:
     from ppserve.engine.cluster.config import ClusterConfig
+    from ppserve.engine.cluster.ray_config import RayConfig
     from ppserve.engine.config import EngineConfig
+
+EXECUTORS = ("processes", "ray")
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -45,6 +50,25 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="run a multi-node cluster or a disaggregated pair without a key: anyone who can reach their "
         "sockets can drive them",
     )
+    ray = p.add_argument_group("Ray (stages as Ray actors, placed on a Ray cluster; pip install 'ppserve[ray]')")
+    ray.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="processes",
+        help="how the stages run: processes of this machine (with --nnodes, of several), or Ray actors",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the Ray cluster to join, as `ray start --head` printed it (default: start a Ray of this machine)",
+    )
+    ray.add_argument(
+        "--placement-strategy",
+        choices=STRATEGIES,
+        default="PACK",
+        help="how the stages spread over the Ray nodes: PACK (few nodes), SPREAD, STRICT_SPREAD (one per node)",
+    )
 
 
 def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
@@ -75,6 +99,31 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="a room's KV transfer (default 30)",
+    )
+
+
+def ray_config(args: argparse.Namespace) -> RayConfig | None:
+    if args.executor != "ray":
+        for flag, given in (
+            ("--ray-address", args.ray_address),
+            ("--placement-strategy", args.placement_strategy != "PACK"),
+        ):
+            if given:
+                raise ValueError(f"{flag} needs --executor ray")
+        return None
+    from ppserve.engine.cluster.ray_config import RayConfig
+    from ppserve.transport.cluster_key import load_key
+
+    key = load_key(args.cluster_key_file)
+    if key is not None and args.insecure_cluster:
+        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    return RayConfig.create(
+        address=args.ray_address,
+        strategy=args.placement_strategy,
+        node_addr=args.node_addr,
+        key=key,
+        insecure=args.insecure_cluster,
+        ray_logs=getattr(args, "log_level", "info") == "debug",
     )
 
 

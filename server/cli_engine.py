@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ppserve.server.cli_cluster import add_cluster_flags, cluster_config, disaggregation_options
+from ppserve.server.cli_cluster import add_cluster_flags, cluster_config, disaggregation_options, ray_config
 
 # The flags that set the engine: argparse dest -> EngineConfig.create's keyword. Each flag's default
 # is the one create() takes (tests/test_config_chain.py), so a flag left out and a flag given its
@@ -135,4 +135,4 @@ def _parse_latency(text: str) -> tuple[float, float, float]:
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig.create's keywords from the parsed flags (a command's own flags only)."""
     settings = {kw: getattr(args, dest) for dest, kw in ENGINE_FLAGS.items() if hasattr(args, dest)}
-    return {**settings, "cluster": cluster_config(args), **disaggregation_options(args)}
+    return {**settings, "cluster": cluster_config(args), "ray": ray_config(args), **disaggregation_options(args)}

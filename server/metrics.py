@@ -134,6 +134,15 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
         s.stage_restarts,
     )
     yield GaugeMetricFamily("ppserve_recovering", "1 while a failed stage is being replaced", value=int(s.recovering))
+    if s.stage_nodes:  # under Ray: where each stage runs now
+        nodes = GaugeMetricFamily(
+            "ppserve_stage_node",
+            "Where each stage runs (1): its Ray node id and address",
+            labels=["stage", "node_id", "address"],
+        )
+        for stage, (node_id, address) in enumerate(s.stage_nodes):
+            nodes.add_metric([str(stage), node_id, address], 1)
+        yield nodes
     yield CounterMetricFamily(
         "ppserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=s.prefix_cache_queries
     )

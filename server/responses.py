@@ -185,9 +185,16 @@ class FlushCacheResult(msgspec.Struct):
     freed_blocks: int  # cached KV blocks that nobody used, now free (blocks in use keep their KV)
 
 
+class StageNode(msgspec.Struct):
+    stage: int
+    node_id: str  # Ray's id of the node the stage runs on
+    address: str  # that node's address
+
+
 class Health(msgspec.Struct):
     status: Literal["ok", "recovering", "unhealthy"]  # recovering: a failed stage is being replaced
     error: str | None = None  # why it is unhealthy
+    stages: list[StageNode] | None = None  # under Ray (--executor ray): where each stage runs now
 
 
 class ChromeTrace(msgspec.Struct):

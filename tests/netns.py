@@ -14,10 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 SUBNET = "198.18.0"
+WAIT_S = 120.0
 
 
 class Unavailable(RuntimeError):
@@ -117,3 +120,61 @@ def cluster_or_skip(size: int) -> Iterator[Cluster]:
     finally:
         cluster.close()
     assert Cluster.existing(cluster.prefix) == [], "network namespaces left behind"
+
+
+class Node:
+    """A process in node `rank`'s namespace (a `ppserve` node, a client), its output collected
+    line by line."""
+
+    def __init__(self, cluster: Cluster, rank: int, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.rank = rank
+        out = subprocess.PIPE
+        self.proc = cluster.popen(rank, argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env or child_env())
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output:
+            assert self.proc.poll() is None or text in self.output, f"node {self.rank} exited:\n{self.output}"
+            assert time.monotonic() < deadline, f"node {self.rank} never said {text!r}:\n{self.output}"
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float = WAIT_S) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+
+def child_env() -> dict[str, str]:
+    """This environment without a cluster key (each test names its own), output unbuffered."""
+    env = dict(os.environ)
+    env.pop("PPSERVE_CLUSTER_KEY", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def pids(cluster: Cluster, node: int) -> list[str]:
+    return subprocess.run(
+        ["ip", "netns", "pids", cluster.nodes[node]], capture_output=True, text=True, timeout=10
+    ).stdout.split()
+
+
+def assert_no_processes(cluster: Cluster, nodes: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {n: pids(cluster, n) for n in nodes}
+        if not any(left.values()):
+            return
+        assert time.monotonic() < deadline, f"processes left on nodes: {left}"
+        time.sleep(0.1)

@@ -22,6 +22,7 @@ from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.cli import build_parser, main
 from ppserve.server.cli_sampling import sampling_params
 
+RAY = ["--executor", "ray"]
 CLUSTER_AT = ["--dist-init-addr", "127.0.0.1:29999"]
 
 
@@ -177,6 +178,17 @@ def test_generate_constrained(llama_dir: Path) -> None:
         ),
         (["--prompt", "x", "--nnodes", "2", *CLUSTER_AT, "--cluster-key-file", "/no/such/key"], "cannot read"),
         (["--prompt", "x", "--disaggregation-mode", "prefill"], "unrecognized arguments"),  # serve only
+        (["--prompt", "x", "--ray-address", "198.18.0.1:6379"], "--ray-address needs --executor ray"),
+        (["--prompt", "x", "--placement-strategy", "SPREAD"], "--placement-strategy needs --executor ray"),
+        (["--prompt", "x", "--placement-strategy", "ANYWHERE"], "invalid choice"),
+        (["--prompt", "x", *RAY, "--ray-address", "nope"], "--ray-address: expected HOST:PORT"),
+        (["--prompt", "x", *RAY, "--ray-address", "ray://198.18.0.1:10001"], "expected the cluster's HOST:PORT"),
+        (["--prompt", "x", *RAY, "--ray-address", "198.18.0.1:6379"], "stages on a Ray cluster need a shared secret"),
+        (["--prompt", "x", *RAY, "--pp-size", "2", "--tensor-transport", "shm"], "'shm' works within one node"),
+        (
+            ["--prompt", "x", *RAY, "--pp-size", "2", "--nnodes", "2", *CLUSTER_AT, "--insecure-cluster"],
+            "--executor ray places the stages itself",
+        ),
     ],
 )
 def test_bad_arguments_one_line_exit_2(

@@ -14,13 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import Cluster, cluster_or_skip
+from netns import Cluster, Node, assert_no_processes, child_env, cluster_or_skip, pids
 
 pytestmark = pytest.mark.slow
 
@@ -52,45 +51,6 @@ def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-class Node:
-    """One node's `ppserve` process, its output collected line by line."""
-
-    def __init__(self, cluster: Cluster, rank: int, argv: list[str]) -> None:
-        self.rank = rank
-        self.proc = cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, text: str, timeout_s: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.output:
-            assert self.proc.poll() is None or text in self.output, f"node {self.rank} exited:\n{self.output}"
-            assert time.monotonic() < deadline, f"node {self.rank} never said {text!r}:\n{self.output}"
-            time.sleep(0.05)
-
-    def wait(self, timeout_s: float = WAIT_S) -> int:
-        code = self.proc.wait(timeout=timeout_s)
-        self._reader.join(timeout=5)
-        return code
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("PPSERVE_CLUSTER_KEY", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def ppserve(command: str, model: Path, rank: int, key: Path | None, *flags: str) -> list[str]:
     argv = [sys.executable, "-m", "ppserve.server.cli", command, "--model", str(model), "--pp-size", "4"]
     argv += ["--nnodes", "3", "--node-rank", str(rank), "--dist-init-addr", f"198.18.0.1:{PORT}"]
@@ -105,28 +65,12 @@ def generate_flags(prompts: Path, *extra: str) -> list[str]:
 
 def reference(model: Path, prompts: Path) -> list[list[int]]:
     argv = [sys.executable, "-m", "ppserve.server.cli", "generate", "--model", str(model), *generate_flags(prompts)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=_env(), check=True).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=child_env(), check=True).stdout
     return [json.loads(line)["token_ids"] for line in out.splitlines()]
 
 
 def tokens(node: Node) -> list[list[int]]:
     return [json.loads(line)["token_ids"] for line in node.lines if line.startswith("{")]
-
-
-def assert_no_processes(cluster: Cluster, nodes: list[int], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = {n: _pids(cluster, n) for n in nodes}
-        if not any(left.values()):
-            return
-        assert time.monotonic() < deadline, f"processes left on nodes: {left}"
-        time.sleep(0.1)
-
-
-def _pids(cluster: Cluster, node: int) -> list[str]:
-    return subprocess.run(
-        ["ip", "netns", "pids", cluster.nodes[node]], capture_output=True, text=True, timeout=10
-    ).stdout.split()
 
 
 @pytest.mark.parametrize(
@@ -247,7 +191,7 @@ def test_lost_node_fails_requests_by_name(
     if fault == "link cut":
         cluster.link(lost, up=False)
     else:
-        for pid in _pids(cluster, lost):
+        for pid in pids(cluster, lost):
             os.kill(int(pid), signal.SIGKILL)
     assert client.wait(30) == 0, client.output
     events = [json.loads(line) for line in client.lines if line.startswith("{")]
@@ -274,7 +218,7 @@ def test_nodes_stop_when_node_0_is_killed(cluster: Cluster, llama_dir: Path, key
     host = Node(cluster, 0, ppserve("serve", llama_dir, 0, key_files[0], *flags))
     nodes = [Node(cluster, r, ppserve("serve", llama_dir, r, key_files[0], *flags)) for r in (1, 2)]
     host.wait_for("ppserve: serving")
-    for pid in _pids(cluster, 0):
+    for pid in pids(cluster, 0):
         os.kill(int(pid), signal.SIGKILL)
     for node in nodes:  # each stops its stages once node 0 has been silent for 2 s
         assert node.wait(30) == 1, node.output

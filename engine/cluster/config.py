@@ -102,12 +102,12 @@ def split_stages(pp_size: int, nnodes: int, spec: str | None = None) -> list[int
     return counts
 
 
-def parse_host_port(text: str) -> tuple[str, int]:
-    """'10.0.0.1:29500' or '[fd00::1]:29500'."""
+def parse_host_port(text: str, flag: str = "--dist-init-addr") -> tuple[str, int]:
+    """'10.0.0.1:29500' or '[fd00::1]:29500' (`flag`: whose value it is, for the error)."""
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--dist-init-addr: expected HOST:PORT such as 10.0.0.1:29500, got {text!r}")
+        raise ConfigError(f"{flag}: expected HOST:PORT such as 10.0.0.1:29500, got {text!r}")
     return host, int(port)
 
 

@@ -21,8 +21,8 @@ from ppserve.engine.config import EngineConfig
 
 def stage_cores(config: EngineConfig, stage: int, threads: int) -> set[int] | None:
     """The cores stage `stage` of this node should run on, or None to leave it unpinned."""
-    if not config.pin_stages or not hasattr(os, "sched_getaffinity"):
-        return None
+    if not config.pin_stages or config.ray is not None or not hasattr(os, "sched_getaffinity"):
+        return None  # (under Ray, the stages sharing a node are not known here)
     cluster = config.cluster
     if cluster is None:
         local = list(range(config.pp_size))

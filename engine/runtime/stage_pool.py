@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from ppserve.engine.cluster.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.runtime.stage_process import spawn
+from ppserve.engine.runtime.stage_process import channel_specs, spawn
 from ppserve.engine.runtime.stage_worker import StageLaunch, stage_main
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
@@ -71,6 +71,10 @@ class StageError(RuntimeError):
         self.fatal = fatal
 
 
+class NoRoomError(StageError):
+    """No node of a Ray cluster has room for a stage now; it may have later (engine/cluster/ray_stages.py)."""
+
+
 class StagePool:
     def __init__(
         self,
@@ -86,16 +90,19 @@ class StagePool:
         cluster = config.cluster
         self.local = cluster.local_stages if cluster else list(range(config.pp_size))
         self.ctx = context()
-        self.keys = CurveKeys.from_secret(cluster.key) if cluster and cluster.key else None
+        key = config.socket_key if config.across_hosts else None  # (a disaggregated pair's is not for these)
+        self.keys = CurveKeys.from_secret(key) if key else None
         self.guard = Guard(self.ctx, self.keys, "host") if self.keys else None
-        if cluster is None:
+        if not config.across_hosts:
             self.addresses = Addresses.ipc(config.pp_size)
             inbox, plans = self.addresses.host_inbox(), [self.addresses.plans(i) for i in range(config.pp_size)]
-        else:  # ports picked by the OS; the nodes learn them from the layout
-            inbox = tcp_address(cluster.node_addr, "*")
+        else:  # ports picked by the OS; the stages learn them from the layout
+            inbox = tcp_address(cluster.node_addr if cluster else config.ray.host_addr, "*")  # type: ignore[union-attr]
             plans = [inbox] * config.pp_size
         self.inbox = PullSocket(self.ctx, inbox, bind=True, guard=self.guard)
         self.plan_socks = [PushSocket(self.ctx, a, bind=True, guard=self.guard) for a in plans]
+        if config.across_hosts:  # the edges are known once the stages are placed
+            self.addresses = Addresses(self.inbox.address, tuple(s.address for s in self.plan_socks), ())
         if cluster is not None:
             # This node's stages bind their inbound edges on its address, at ports picked now.
             ports = free_ports(config.pp_size, cluster.node_addr)
@@ -125,21 +132,31 @@ class StagePool:
     def uses_process_group(self) -> bool:
         return self.config.process_group is not None
 
-    def _spawn(self, stage: int, first_mb: int = 0) -> None:
-        proc = spawn_stage(
-            StageLaunch(
-                config=self.config,
-                stage=stage,
-                addresses=self.addresses,
-                inbound=self._specs[stage - 1] if stage > 0 else None,
-                outbound=self._specs[stage] if stage < self.config.pp_size - 1 else None,
-                dist_port=self._dist_port,
-                threads=self.config.threads_per_stage,
-                parent_pid=os.getpid(),
-                first_mb=first_mb,
-                key=self.config.socket_key,
-            )
+    @property
+    def replaces_all(self) -> bool:
+        """Whether a failed stage is replaced together with every other (a process group cannot
+        take in a new member)."""
+        return self.uses_process_group
+
+    def _launch(self, stage: int, first_mb: int) -> StageLaunch:
+        return StageLaunch(
+            config=self.config,
+            stage=stage,
+            addresses=self.addresses,
+            inbound=self._specs[stage - 1] if stage > 0 else None,
+            outbound=self._specs[stage] if stage < self.config.pp_size - 1 else None,
+            dist_port=self._dist_port,
+            threads=self.config.threads_per_stage,
+            parent_pid=os.getpid(),
+            first_mb=first_mb,
+            key=self.config.socket_key,
         )
+
+    def _start_stage(self, launch: StageLaunch) -> BaseProcess | RemoteStage:
+        return spawn_stage(launch)
+
+    def _spawn(self, stage: int, first_mb: int = 0) -> None:
+        proc = self._start_stage(self._launch(stage, first_mb))
         self._reported.discard(self._id(stage, proc.pid))  # a pid the OS reused from a process reported before
         if stage < len(self.procs):
             self.procs[stage] = proc
@@ -155,8 +172,7 @@ class StagePool:
         self.tasks = {"result reader": asyncio.create_task(self._read())}
         if self.config.cluster is not None:
             await self._admit_nodes()
-        elif self.uses_process_group:
-            self._dist_port = free_ports(1)[0]
+        await self._renew()
         self._specs = channel_specs(self.config, self.addresses, self.local)
         for i in range(self.config.pp_size):
             if i in self.local:
@@ -196,19 +212,26 @@ class StagePool:
         returns the stages that were replaced. `first_mb`: the id of the first plan after the
         reset (older ones are void). Raises StageError if that fails."""
         every = set(range(self.config.pp_size))
-        fresh = every if self.uses_process_group else {stage}
+        fresh = every if self.replaces_all else {stage}
         for i in sorted(fresh):
             await self._kill(i)
         self.epoch += 1
         survivors = every - fresh
         for i in sorted(survivors):
             self.plan_socks[i].send_nowait(Reset(self.epoch, first_mb))
-        if self.uses_process_group:
-            self._dist_port = free_ports(1)[0]  # a fresh group: the old store may still linger
+        await self._renew()
+        if fresh == every:  # new edges throughout (the shm rings too: no survivor holds one)
+            self._specs = channel_specs(self.config, self.addresses, self.local)
         for i in sorted(fresh):
             self._spawn(i, first_mb)
         await self._handshake(set(fresh), survivors)
         return sorted(fresh)
+
+    async def _renew(self) -> None:
+        """Before (re)starting stages: a fresh process group's store port (the old store may
+        still linger). Under Ray, placing them (engine/cluster/ray_stages.py)."""
+        if self.uses_process_group and self.config.cluster is None:
+            self._dist_port = free_ports(1)[0]
 
     async def _kill(self, stage: int) -> None:
         self.plan_socks[stage].discard_pending()  # plans that never reached the old process
@@ -286,7 +309,7 @@ class StagePool:
                     if isinstance(msg, StageFailed) and msg.stage == stage and self._owns(stage, msg.pid):
                         raise StageError(f"stage {stage} {msg.error}", stage)
         if isinstance(proc, RemoteStage):
-            raise StageError(f"{proc.describe()}: {proc.gone}", stage, fatal=True)
+            raise StageError(f"{proc.describe()}: {proc.gone}", stage, fatal=self.config.cluster is not None)
         raise StageError(f"stage {stage} (pid {proc.pid}) exited during start-up (exit code {proc.exitcode})", stage)
 
     # ---- serving --------------------------------------------------------------------------
@@ -460,21 +483,6 @@ class StagePool:
         if self.rendezvous is not None:
             self.rendezvous.close()
         self.addresses.cleanup()
-
-
-def channel_specs(config: EngineConfig, addresses: Addresses, local: list[int]) -> list[ChannelSpec]:
-    """Every edge's spec; a shared-memory ring for each shm edge between two of the `local`
-    stages (the ones this process spawns: both ends of an shm edge are on one node)."""
-    specs = []
-    for i, kind in enumerate(config.edge_transports):
-        ring = None
-        if kind == "shm" and i in local:
-            from ppserve.transport.shm_channel import allocate_ring
-
-            slot_bytes = config.max_batched_tokens * config.model_config.hidden_size * config.torch_dtype.itemsize
-            ring = allocate_ring(config.pp_size + config.async_depth, slot_bytes)
-        specs.append(ChannelSpec(kind, i, i + 1, addresses.edge(i), ring))
-    return specs
 
 
 def spawn_stage(launch: StageLaunch) -> BaseProcess:

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ppserve.engine.config import EngineConfig
+from ppserve.transport.addresses import Addresses
+from ppserve.transport.tensor_channel import ChannelSpec
+
 
 def spawn(target: Callable[..., Any], arg: object, name: str) -> BaseProcess:
     """Start `target(arg)` in a fresh (spawned) daemon process named `name`."""
@@ -54,3 +58,18 @@ def set_process_name(name: str) -> None:
     """The OS-level name (what `ps -o comm` and `top` show), Linux only."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def channel_specs(config: EngineConfig, addresses: Addresses, local: list[int]) -> list[ChannelSpec]:
+    """Every edge's spec; a shared-memory ring for each shm edge between two of the `local`
+    stages (the ones this process spawns: both ends of an shm edge are on one node)."""
+    specs = []
+    for i, kind in enumerate(config.edge_transports):
+        ring = None
+        if kind == "shm" and i in local:
+            from ppserve.transport.shm_channel import allocate_ring
+
+            slot_bytes = config.max_batched_tokens * config.model_config.hidden_size * config.torch_dtype.itemsize
+            ring = allocate_ring(config.pp_size + config.async_depth, slot_bytes)
+        specs.append(ChannelSpec(kind, i, i + 1, addresses.edge(i), ring))
+    return specs

@@ -87,9 +87,11 @@ class StageLaunch:
     outbound: ChannelSpec | None  # to stage + 1
     dist_port: int  # torch.distributed store port (gloo / nccl channels), else 0
     threads: int
-    parent_pid: int
+    parent_pid: int  # the stage exits when its parent is no longer this; 0: not a child of the host (Ray)
     first_mb: int = 0  # micro-batches before this one were voided (a replacement joins mid-run)
     key: bytes | None = field(default=None, repr=False)  # the cluster secret, across nodes
+    dist_host: str = "127.0.0.1"  # where rank 0 runs the torch.distributed store (Ray: stage 0's node)
+    node_addr: str = ""  # this stage's node address, where its sockets bind (Ray; a cluster's is in its config)
 
 
 def _init_compute_thread(threads: int, gpu: int | None) -> None:
@@ -100,10 +102,15 @@ def _init_compute_thread(threads: int, gpu: int | None) -> None:
 
 def stage_main(launch: StageLaunch) -> None:
     """Process entry point (spawn)."""
-    set_process_name(f"ppserve-stage-{launch.stage}")
     # Ctrl-C reaches the whole process group; the host decides when stages stop (and a stage
     # exits by itself if the host is gone), so a stage prints no KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(run_stage(launch))
+
+
+def run_stage(launch: StageLaunch) -> int:
+    """The stage, in this process's main thread, until it stops; its exit status."""
+    set_process_name(f"ppserve-stage-{launch.stage}")
     keep_freed_memory()
     pin_stage(launch.config, launch.stage, launch.threads)  # before torch starts its OpenMP team
     torch.set_num_threads(launch.threads)
@@ -118,9 +125,9 @@ def stage_main(launch: StageLaunch) -> None:
             uvloop.install()
         except ImportError:
             pass
-    if launch.config.cluster is not None:  # refused peers are logged (transport/cluster_key.py)
+    if launch.config.across_hosts:  # refused peers are logged (transport/cluster_key.py)
         logging.basicConfig(level=logging.WARNING, format=f"ppserve-stage-{launch.stage}: %(message)s")
-    sys.exit(asyncio.run(_run(launch)))
+    return asyncio.run(_run(launch))
 
 
 async def _run(launch: StageLaunch) -> int:
@@ -137,7 +144,7 @@ class StageWorker:
         # The key guards the sockets that cross machines: in a cluster all of them; on one host
         # (ipc:// in a private directory) only a disaggregated pair's KV sockets.
         self.guard = Guard(self.ctx, CurveKeys.from_secret(launch.key), f"stage {self.stage}") if launch.key else None
-        self.link_guard = self.guard if launch.config.cluster is not None else None
+        self.link_guard = self.guard if launch.config.across_hosts else None
         self.inbox = PushSocket(self.ctx, launch.addresses.host_inbox(), bind=False, guard=self.link_guard)
         self.plans = PullSocket(self.ctx, launch.addresses.plans(launch.stage), bind=False, guard=self.link_guard)
         # The stage's GPU, on CUDA. The current device is per thread: it is set in this thread (by
@@ -168,6 +175,7 @@ class StageWorker:
         # Activations of micro-batches below this id are leftovers of plans voided by a reset:
         # skipped. Any other mismatch between a plan and its activations is an error.
         self.first_mb = launch.first_mb
+        self._node_addr = launch.node_addr or (self.config.cluster.node_addr if self.config.cluster else "")
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -288,7 +296,7 @@ class StageWorker:
                 self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice, send_timeout_s=timeout_s
             )
         else:
-            host = self.config.cluster.node_addr if self.config.cluster else self.config.disagg_host
+            host = self._node_addr or self.config.disagg_host
             address = tcp_address(host, "*")
             self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, address, self.guard, faults=dice)
             self._kv_tasks.add(self._watch(asyncio.create_task(self.kv.serve())))
@@ -318,15 +326,16 @@ class StageWorker:
 
             gpu = torch.device("cuda", self.gpu) if kind == "nccl" and self.gpu is not None else None
             pp = self.config.pp_size
-            if cluster is None:
-                init_process_group(kind, self.stage, pp, "127.0.0.1", launch.dist_port, device_id=gpu)
-            else:  # meet in the cluster's rendezvous store, run by node 0
+            if self._node_addr:
                 from ppserve.engine.cluster.config import interface_of
 
                 # Connections between ranks go out on this node's address, not where the hostname points.
-                if (iface := interface_of(cluster.node_addr)) is not None:
+                if (iface := interface_of(self._node_addr)) is not None:
                     os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
                     os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+            if cluster is None:  # rank 0 runs the store
+                init_process_group(kind, self.stage, pp, launch.dist_host, launch.dist_port, device_id=gpu)
+            else:  # meet in the cluster's rendezvous store, run by node 0
                 host, port = cluster.dist_init_host, cluster.dist_init_port
                 init_process_group(kind, self.stage, pp, host, port, device_id=gpu, store_prefix="ppserve/pg/")
             self._dist = True
@@ -432,7 +441,7 @@ class StageWorker:
 
     async def _heartbeat(self) -> None:
         while True:
-            if os.getppid() != self.launch.parent_pid:
+            if self.launch.parent_pid and os.getppid() != self.launch.parent_pid:
                 # The host was killed and could not clean up: remove its socket files, then go.
                 print(f"ppserve-stage-{self.stage}: host process is gone, exiting", file=sys.stderr)
                 self.launch.addresses.cleanup()
