@@ -6,6 +6,8 @@ activations travel with their header, CURVE-encrypted):
   - "bridge": the kernel's veth pairs and bridge;
   - "link +D ms": every packet between nodes held D ms each way by a switch in user space
     (tests/tun_switch.py: kernel netem is missing here), for D = 0, 1 and 5.
+  - "bridge, ray": the same four namespaces as a Ray cluster (tests/ray_cluster.py), the stages
+    placed as Ray actors (`--executor ray --placement-strategy STRICT_SPREAD`); same transport.
 For each: decode tokens/s of one stream and of 16 concurrent streams (both greedy, prefill
 excluded), and the median per-hop latency of the single stream's decode micro-batches, from
 the stages' own timings (the machine has one clock): from the end of stage i's compute to the
@@ -35,6 +37,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_record import write_result  # noqa: E402
 from netns import Cluster, Unavailable  # noqa: E402
+from ray_cluster import RayCluster  # noqa: E402
+from ray_cluster import env as ray_env  # noqa: E402
 from tun_switch import TunSwitch  # noqa: E402
 
 from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
@@ -99,20 +103,33 @@ def hops(intervals: list[dict[str, Any]], pp: int) -> list[float]:
 
 
 def run(
-    cluster: Cluster, model: Path, key: Path, nodes: int, streams: int, tokens: int, transport: str
+    cluster: Cluster,
+    model: Path,
+    key: Path,
+    nodes: int,
+    streams: int,
+    tokens: int,
+    transport: str,
+    ray: RayCluster | None = None,
 ) -> dict[str, Any]:
-    """Serve PP=4 over `nodes` namespaces (1: a single host), measure from node 0, stop."""
+    """Serve PP=4 over `nodes` namespaces (1: a single host; with `ray`, its nodes), measure from
+    node 0, stop."""
     base = [sys.executable, "-m", "ppserve.server.cli", "serve", "--model", str(model), "--pp-size", "4"]
     base += ["--tensor-transport", transport]
     base += ["--served-model-name", "m", "--no-playground", "--log-level", "warning", "--kv-cache-gb", "0.25"]
     host = "127.0.0.1" if nodes == 1 else cluster.addr(0)
     procs = []
-    for rank in range(nodes):
+    for rank in range(1 if ray else nodes):
         argv = [*base, "--host", host, "--port", str(HTTP)]
-        if nodes > 1:
+        if ray:
+            argv += ["--executor", "ray", "--ray-address", ray.address, "--placement-strategy", "STRICT_SPREAD"]
+            argv += ["--cluster-key-file", str(key)]
+        elif nodes > 1:
             argv += ["--nnodes", str(nodes), "--node-rank", str(rank), "--dist-init-addr", f"{cluster.addr(0)}:{PORT}"]
             argv += ["--cluster-key-file", str(key)]
-        procs.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        out = subprocess.PIPE
+        env = ray_env() if ray else None
+        procs.append(cluster.popen(rank, argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env))
     try:
         _wait_serving(procs[0])
         url = f"http://{host}:{HTTP}"
@@ -169,18 +186,22 @@ def main() -> None:
         setups: list[tuple[str, int, float | None, str]] = [
             ("one namespace", 1, None, "auto"),
             ("bridge", 4, None, "auto"),
+            ("bridge, ray", 4, None, "auto"),
         ]
         setups += [(f"link +{d} ms", 4, float(d), "auto") for d in (0, 1, 5)]
         setups += [("bridge, zmq", 4, None, "zmq"), ("link +5 ms, zmq", 4, 5.0, "zmq")]
-        if only := os.environ.get("BENCH_ONLY"):  # one setup by name (and the baseline), for a quick look
-            setups = [s for s in setups if s[0] in (only, "one namespace")]
+        if only := os.environ.get("BENCH_ONLY"):  # setups by name, separated by ";" (and the baseline)
+            setups = [s for s in setups if s[0] in (*only.split(";"), "one namespace")]
         for name, nodes, delay_ms, transport in setups:
             cluster = Cluster.create(4, wired=delay_ms is None)
             addrs = [cluster.addr(i) for i in range(4)]
             switch = None if delay_ms is None else TunSwitch(cluster.nodes, addrs, delay_ms / 1e3)
+            ray = RayCluster.start(cluster, nodes=range(4)) if name.endswith("ray") else None
             try:
-                results[name] = run(cluster, model, key, nodes, streams, tokens, transport)
+                results[name] = run(cluster, model, key, nodes, streams, tokens, transport, ray)
             finally:
+                if ray is not None:
+                    ray.stop()
                 if switch is not None:
                     switch.close()
                 cluster.close()

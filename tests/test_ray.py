@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import pipeline, random_prompt
@@ -85,6 +86,9 @@ for t in threads:
 for t in threads:
     t.join()
 say({"health": get("/health")})
+conn = http.client.HTTPConnection("198.18.0.1", port, timeout=30)
+conn.request("GET", "/metrics")
+say({"metrics": [m for m in conn.getresponse().read().decode().splitlines() if m.startswith("ppserve_stage_node{")]})
 """
 
 # Run in node 0's namespace after the server is gone: what is left on the Ray cluster.
@@ -160,6 +164,8 @@ class Served:
         self.host.proc.send_signal(signal.SIGTERM)
         assert self.host.wait(60) == 0, self.host.output
         assert "Traceback" not in self.host.output, self.host.output
+        ray_lines = [line for line in self.host.lines if " -- " in line and ".py:" in line]  # Ray's log format
+        assert not ray_lines, "Ray's log lines in the server's output (only with --log-level debug)"
         left = Node(self.net, 0, [sys.executable, "-c", LEFTOVERS, self.ray.address], _env())
         assert left.wait(60) == 0, left.output
         assert json.loads(left.lines[-1]) == {"actors": 0, "placement_groups": 0}, left.output
@@ -170,7 +176,7 @@ def _env() -> dict[str, str]:
     return {**child_env(), **ray_env()}
 
 
-def _events(client: Node) -> list[dict[str, object]]:
+def _events(client: Node) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.lines if line.startswith("{")]
 
 
@@ -179,7 +185,7 @@ def _finals(client: Node) -> dict[int, object]:
     return {int(e["i"]): e.get("token_ids", e.get("error")) for e in _events(client) if "tokens" not in e and "i" in e}
 
 
-def _stage_nodes(health: dict[str, object]) -> dict[int, int]:
+def _stage_nodes(health: dict[str, Any]) -> dict[int, int]:
     """Stage -> the namespace it runs in, from /health's `stages`."""
     stages = health["stages"]
     assert isinstance(stages, list)
@@ -205,6 +211,10 @@ def test_strict_spread_pp3_gives_the_tokens_of_one_process(
         first, last = [e["health"] for e in _events(client) if "health" in e]
         assert first[0] == 200 and last[0] == 200, client.output
         assert sorted(_stage_nodes(first[1]).values()) == [0, 1, 2], first  # one stage per node
+        metrics = next(e["metrics"] for e in _events(client) if "metrics" in e)
+        for stage in first[1]["stages"]:
+            labels = [f'{k}="{stage[k]}"' for k in ("stage", "node_id", "address")]
+            assert any(all(label in m for label in labels) and m.endswith(" 1.0") for m in metrics), metrics
         assert _finals(client) == dict(enumerate(one_process)), client.output
         served.stop()
 
