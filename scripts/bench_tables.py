@@ -180,6 +180,7 @@ MULTINODE_LABELS = {
     "link +1 ms": "user-space link, +1 ms",
     "link +5 ms": "user-space link, +5 ms",
     "bridge, zmq": "bridge, `--tensor-transport zmq`",
+    "bridge, ray": "bridge, `--executor ray` (STRICT_SPREAD)",
     "link +5 ms, zmq": "user-space link +5 ms, `zmq`",
 }
 
