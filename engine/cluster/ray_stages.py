@@ -30,7 +30,6 @@ from ppserve.engine.cluster.remote_nodes import RemoteStage
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.runtime.stage_actor import StageActor, StagePlace
 from ppserve.engine.runtime.stage_pool import NoRoomError, StageError, StagePool
-from ppserve.engine.runtime.stage_process import channel_specs
 from ppserve.engine.runtime.stage_worker import StageLaunch
 from ppserve.transport.addresses import Addresses, tcp_address
 
@@ -86,7 +85,6 @@ class RayStagePool(StagePool):
         self.places = await self._place(timeout_s)
         edges = tuple(tcp_address(p.address, p.edge_port) for p in self.places[1:])
         self.addresses = Addresses(self.addresses.inbox_addr, self.addresses.plan_addrs, edges)
-        self._specs = channel_specs(self.config, self.addresses, [])
 
     def _connect(self) -> None:
         import ray
@@ -98,14 +96,18 @@ class RayStagePool(StagePool):
         # drain first, are put back.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         # Ray's own lines (its workers' output, its start-up notes) only when debugging.
-        ray.init(
-            address=cfg.address or "local",  # "local": a new Ray of this machine, never one found running
-            include_dashboard=False,
-            log_to_driver=debug,
-            logging_level=logging.INFO if debug else logging.ERROR,
-            configure_logging=debug,
-            namespace="ppserve",
-        )
+        try:
+            ray.init(
+                address=cfg.address or "local",  # "local": a new Ray of this machine, never one found running
+                include_dashboard=False,
+                log_to_driver=debug,
+                logging_level=logging.INFO if debug else logging.ERROR,
+                configure_logging=debug,
+                namespace="ppserve",
+            )
+        except Exception as e:  # unreachable, refused (its auth token), a version that differs, ...
+            where = f"the Ray cluster at {cfg.address}" if cfg.address else "a Ray of this machine"
+            raise StageError(f"cannot join {where}: {' '.join(str(e).split())[:300]}") from None
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
