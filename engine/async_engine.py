@@ -117,7 +117,7 @@ class AsyncEngine:
 
     async def start(self) -> AsyncEngine:
         if self.config.ray is not None:
-            from ppserve.engine.cluster.ray_stages import RayStagePool
+            from ppserve.engine.runtime.ray_stages import RayStagePool
 
             pool: StagePool = RayStagePool(self.config, self._on_stage_failure)
         else:

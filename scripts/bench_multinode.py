@@ -6,8 +6,11 @@ activations travel with their header, CURVE-encrypted):
   - "bridge": the kernel's veth pairs and bridge;
   - "link +D ms": every packet between nodes held D ms each way by a switch in user space
     (tests/tun_switch.py: kernel netem is missing here), for D = 0, 1 and 5.
-  - "bridge, ray": the same four namespaces as a Ray cluster (tests/ray_cluster.py), the stages
-    placed as Ray actors (`--executor ray --placement-strategy STRICT_SPREAD`); same transport.
+Then whether Ray costs anything on the data path, in alternating rounds on four namespaces:
+`--nnodes` alone, `--nnodes` beside an idle Ray cluster (one Ray node per namespace,
+tests/ray_cluster.py: its daemons on the same cores), and the stages as Ray actors
+(`--executor ray --placement-strategy STRICT_SPREAD`, same transport); medians over the rounds,
+and the CPU the idle Ray daemons take.
 For each: decode tokens/s of one stream and of 16 concurrent streams (both greedy, prefill
 excluded), and the median per-hop latency of the single stream's decode micro-batches, from
 the stages' own timings (the machine has one clock): from the end of stage i's compute to the
@@ -159,6 +162,65 @@ def run(
                 p.kill()
 
 
+def ray_rounds(model: Path, key: Path, streams: int, tokens: int, rounds: int) -> dict[str, Any]:
+    """--nnodes, --nnodes beside an idle Ray cluster, and --executor ray, each once a round, the
+    order reversed every other round; per setup the median of each figure over the rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RAY_SETUPS}
+    idle_cores: list[float] = []
+    for r in range(rounds):
+        cluster = Cluster.create(4)
+        ray: RayCluster | None = None
+        try:
+            for name in RAY_SETUPS if r % 2 == 0 else RAY_SETUPS[::-1]:
+                if name != "nnodes" and ray is None:
+                    ray = RayCluster.start(cluster, nodes=range(4))
+                    idle_cores.append(_cores_used(ray, 5.0))
+                if name == "nnodes" and ray is not None:
+                    ray.stop()
+                    ray = None
+                runs[name].append(run(cluster, model, key, 4, streams, tokens, "auto", ray if name == "ray" else None))
+                print(f"ray round {r}: {name:>24}: {runs[name][-1]}", flush=True)
+        finally:
+            if ray is not None:
+                ray.stop()
+            cluster.close()
+    medians = {
+        name: {
+            "single_stream_tok_s": round(statistics.median(x["single_stream_tok_s"] for x in xs), 1),
+            "batch_tok_s": round(statistics.median(x["batch_tok_s"] for x in xs), 1),
+            "hop_ms": [round(statistics.median(h), 3) for h in zip(*(x["hop_ms"] for x in xs), strict=True)],
+        }
+        for name, xs in runs.items()
+    }
+    return {
+        "rounds": rounds,
+        "runs": runs,
+        "medians": medians,
+        "idle_ray_cores": round(statistics.median(idle_cores), 3),  # of the machine's cores, Ray's daemons idle
+    }
+
+
+RAY_SETUPS = ("nnodes", "nnodes beside idle Ray", "ray")
+
+
+def _cores_used(ray: RayCluster, seconds: float) -> float:
+    """CPU the Ray cluster's processes use over `seconds` (in cores: 1.0 = one core busy)."""
+
+    def ticks() -> int:
+        total = 0
+        for pid in [p for node in range(4) for p in ray.pids(node)]:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+    before = ticks()
+    time.sleep(seconds)
+    return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+
+
 def _wait_serving(proc: subprocess.Popen[str], timeout_s: float = 180.0) -> None:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
@@ -173,6 +235,7 @@ def _wait_serving(proc: subprocess.Popen[str], timeout_s: float = 180.0) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer tokens")
+    parser.add_argument("--ray-rounds", type=int, default=3, help="rounds of the Ray comparison (0: none)")
     args = parser.parse_args()
     streams, tokens = 16, (32 if args.quick else 96)
     work = Path(tempfile.mkdtemp(prefix="ppserve-bench-"))
@@ -186,7 +249,6 @@ def main() -> None:
         setups: list[tuple[str, int, float | None, str]] = [
             ("one namespace", 1, None, "auto"),
             ("bridge", 4, None, "auto"),
-            ("bridge, ray", 4, None, "auto"),
         ]
         setups += [(f"link +{d} ms", 4, float(d), "auto") for d in (0, 1, 5)]
         setups += [("bridge, zmq", 4, None, "zmq"), ("link +5 ms, zmq", 4, 5.0, "zmq")]
@@ -196,18 +258,16 @@ def main() -> None:
             cluster = Cluster.create(4, wired=delay_ms is None)
             addrs = [cluster.addr(i) for i in range(4)]
             switch = None if delay_ms is None else TunSwitch(cluster.nodes, addrs, delay_ms / 1e3)
-            ray = RayCluster.start(cluster, nodes=range(4)) if name.endswith("ray") else None
             try:
-                results[name] = run(cluster, model, key, nodes, streams, tokens, transport, ray)
+                results[name] = run(cluster, model, key, nodes, streams, tokens, transport)
             finally:
-                if ray is not None:
-                    ray.stop()
                 if switch is not None:
                     switch.close()
                 cluster.close()
             print(f"{name:>14}: {results[name]}", flush=True)
     except Unavailable as e:
         sys.exit(f"bench_multinode: {e}")
+    ray = ray_rounds(model, key, streams, tokens, args.ray_rounds) if args.ray_rounds else None
     one = results["one namespace"]
     for r in results.values():
         r["single_ratio"] = round(r["single_stream_tok_s"] / one["single_stream_tok_s"], 3)
@@ -218,6 +278,7 @@ def main() -> None:
         "streams": streams,
         "tokens_per_stream": tokens,
         "results": results,
+        **({"ray": ray} if ray else {}),
     }
     path = ROOT / "benchmarks" / "results" / "multinode.json"
     write_result(path, out, args)

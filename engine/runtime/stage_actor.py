@@ -28,7 +28,7 @@ class StagePlace(msgspec.Struct, frozen=True):
 
 
 class StageActor:
-    """Wrapped with `ray.remote` by the host (engine/cluster/ray_stages.py); plain here, so that
+    """Wrapped with `ray.remote` by the host (engine/runtime/ray_stages.py); plain here, so that
     this module imports without Ray."""
 
     def where(self, address: str | None) -> StagePlace:

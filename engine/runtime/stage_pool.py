@@ -72,7 +72,7 @@ class StageError(RuntimeError):
 
 
 class NoRoomError(StageError):
-    """No node of a Ray cluster has room for a stage now; it may have later (engine/cluster/ray_stages.py)."""
+    """No node of a Ray cluster has room for a stage now; it may have later (engine/runtime/ray_stages.py)."""
 
 
 class StagePool:
@@ -229,7 +229,7 @@ class StagePool:
 
     async def _renew(self) -> None:
         """Before (re)starting stages: a fresh process group's store port (the old store may
-        still linger). Under Ray, placing them (engine/cluster/ray_stages.py)."""
+        still linger). Under Ray, placing them (engine/runtime/ray_stages.py)."""
         if self.uses_process_group and self.config.cluster is None:
             self._dist_port = free_ports(1)[0]
 

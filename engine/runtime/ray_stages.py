@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -111,6 +112,14 @@ class RayStagePool(StagePool):
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+        if not debug:  # the driver prints the cluster's errors (a node marked dead, ...) by itself
+            with contextlib.suppress(ImportError, AttributeError):
+                import ray._private.worker as driver
+
+                def to_debug_log(data: dict[str, Any], ignore_prefix: bool) -> None:
+                    logging.getLogger("ray").debug("%s", " ".join(map(str, data.get("lines", []))))
+
+                driver.print_to_stdstream = to_debug_log
         self.group = placement_group([self._bundle()] * self.config.pp_size, strategy=cfg.strategy)
         where = f"the Ray cluster at {cfg.address}" if cfg.address else "a Ray of this machine"
         log.info("placing %d stages on %s (%s)", self.config.pp_size, where, cfg.strategy)
@@ -119,38 +128,50 @@ class RayStagePool(StagePool):
         return {"CPU": float(self.config.threads_per_stage), **({"GPU": 1.0} if self.config.device == "cuda" else {})}
 
     async def _place(self, timeout_s: float) -> list[StagePlace]:
-        """An actor per stage, each in its bundle, and where each landed. An actor that has not
-        started when the time is up (no room; or its bundle was on a node that died meanwhile) is
-        given up, and NoRoomError names its stage; the next attempt makes a new one."""
+        """An actor per stage, each in its bundle, and where each landed. An actor that dies as it
+        starts (its bundle was on a node that was lost meanwhile) is made again. One that has not
+        started when the time is up (no room) is kept for the next attempt, and NoRoomError names
+        its stage: it starts where Ray moves its bundle once there is room (killing it instead
+        races with Ray granting it that room, which can leave the room held by nobody)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        local = None if self.ray_config.address else self.ray_config.host_addr  # no key: loopback only
+        while True:
+            for stage in range(self.config.pp_size):
+                if stage not in self._actors:
+                    self._actors[stage] = self._new_actor(stage)
+            refs = [self._actors[stage].where.remote(local) for stage in range(self.config.pp_size)]
+            left = max(0.0, deadline - time.monotonic())
+            done, _ = await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=left)
+            places: dict[int, StagePlace] = {}
+            for stage, ref in enumerate(refs):
+                if ref in done:
+                    try:
+                        places[stage] = ray.get(ref)  # ready: does not block
+                    except ray.exceptions.RayError:
+                        self._give_up(stage)
+            if len(places) == self.config.pp_size:
+                return [places[stage] for stage in range(self.config.pp_size)]
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)  # before a new actor where one just died
+        missing = [stage for stage in range(self.config.pp_size) if stage not in places]
+        needs = ", ".join(f"{v:g} {k}" for k, v in self._bundle().items())
+        raise NoRoomError(
+            f"stage(s) {', '.join(map(str, missing))} cannot be placed: no Ray node has room for "
+            f"{needs} ({self.ray_config.strategy}); waited {timeout_s:.0f} s",
+            missing[0],
+        )
+
+    def _new_actor(self, stage: int) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundle()
-        actor_class = ray.remote(StageActor)
-        for stage in range(self.config.pp_size):
-            if stage not in self._actors:
-                where = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=stage)
-                options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0), "max_restarts": 0}
-                self._actors[stage] = actor_class.options(scheduling_strategy=where, **options).remote()
-        local = None if self.ray_config.address else self.ray_config.host_addr  # no key: loopback only
-        refs = [self._actors[stage].where.remote(local) for stage in range(self.config.pp_size)]
-        _, waiting = await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=timeout_s)
-        if waiting:
-            stages = [refs.index(r) for r in waiting]
-            for stage in stages:
-                self._give_up(stage)
-            needs = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
-            raise NoRoomError(
-                f"stage(s) {', '.join(map(str, stages))} cannot be placed: no Ray node has room for "
-                f"{needs} ({self.ray_config.strategy}); waited {timeout_s:.0f} s",
-                stages[0],
-            )
-        try:
-            return await asyncio.to_thread(ray.get, refs)
-        except ray.exceptions.RayError as e:  # an actor died as it started: try afresh next time
-            for stage in range(self.config.pp_size):
-                self._give_up(stage)
-            raise StageError(f"a stage's actor failed to start: {e}") from None
+        where = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=stage)
+        options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0), "max_restarts": 0}
+        return ray.remote(StageActor).options(scheduling_strategy=where, **options).remote()
 
     def _give_up(self, stage: int) -> None:
         import ray
