@@ -36,8 +36,9 @@ from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.runtime.core import EngineCore, Outputs
 from ppserve.engine.runtime.executors import StagePoolExecutor
+from ppserve.engine.runtime.ray_stages import NoRoomError, make_pool
 from ppserve.engine.runtime.restart_budget import RestartBudget
-from ppserve.engine.runtime.stage_pool import NoRoomError, StageError, StagePool
+from ppserve.engine.runtime.stage_pool import StageError, StagePool
 from ppserve.engine.runtime.timeline import Timeline
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -105,9 +106,7 @@ class AsyncEngine:
         self.stage_restarts = [0] * config.pp_size
         self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
         self._recovery: asyncio.Task[None] | None = None
-        # Under Ray, while no node has room for a lost stage: requests fail with this, and the
-        # recovery keeps trying until capacity returns.
-        self.unavailable: NoRoomError | None = None
+        self.unavailable: NoRoomError | None = None  # Ray has no room for a lost stage (yet): requests fail
         self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
@@ -116,13 +115,7 @@ class AsyncEngine:
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
-        if self.config.ray is not None:
-            from ppserve.engine.runtime.ray_stages import RayStagePool
-
-            pool: StagePool = RayStagePool(self.config, self._on_stage_failure)
-        else:
-            pool = StagePool(self.config, self._on_stage_failure)
-        self._pool = pool
+        self._pool = pool = make_pool(self.config, self._on_stage_failure)
         atexit.register(pool.kill_now)
         try:
             await pool.start()
@@ -201,6 +194,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         """Started and not dead (it may be recovering: requests then wait)."""
         return self._core_task is not None and self.error is None
+
+    @property
+    def stage_nodes(self) -> tuple[tuple[str, str], ...]:
+        """Under Ray, per stage: its node's Ray id and address (for /health and /metrics)."""
+        return self._pool.stage_nodes() if self._pool is not None else ()
 
     @property
     def recovering(self) -> bool:
@@ -360,7 +358,7 @@ class AsyncEngine:
             prefix_cache_blocks=s.allocator.num_cached,
             prefix_cache_evictions=s.allocator.num_evictions,
             stage_tokens=tuple(self.timeline.stage_tokens),
-            stage_nodes=tuple((p.node_id, p.address) for p in getattr(self._pool, "places", ())),
+            stage_nodes=self.stage_nodes,
         )
 
     # ---- results --------------------------------------------------------------------------

@@ -186,17 +186,9 @@ MULTINODE_LABELS = {
 
 def table_multinode(results: Sequence[Result]) -> list[str]:
     d = results[0]
-    rows = [
-        [
-            MULTINODE_LABELS.get(name, name),
-            f"{num(r['single_stream_tok_s'])} ({num(r['single_ratio'], 2)})",
-            f"{num(r['batch_tok_s'])} ({num(r['batch_ratio'], 2)})",
-            " / ".join(num(h, 2) for h in r["hop_ms"]),
-        ]
-        for name, r in d["results"].items()
-    ]
     cpus = d.get("machine", {}).get("cpus", 2)
     header = [f"PP={d['model']['pp_size']}, {cpus}-core CPU", "1 stream, tok/s", f"{d['streams']} streams, tok/s"]
+    rows = _node_rows(d["results"], MULTINODE_LABELS, d["results"]["one namespace"])
     return markdown([*header, "hops 0→1 / 1→2 / 2→3, ms"], rows)
 
 
@@ -209,18 +201,20 @@ RAY_LABELS = {
 
 def table_multinode_ray(results: Sequence[Result]) -> list[str]:
     d = results[0]["ray"]
-    medians, base = d["medians"], d["medians"]["nnodes"]
-    rows = [
-        [
-            RAY_LABELS.get(name, name),
-            f"{num(m['single_stream_tok_s'])} ({num(m['single_stream_tok_s'] / base['single_stream_tok_s'], 2)})",
-            f"{num(m['batch_tok_s'])} ({num(m['batch_tok_s'] / base['batch_tok_s'], 2)})",
-            " / ".join(num(h, 2) for h in m["hop_ms"]),
-        ]
-        for name, m in medians.items()
-    ]
     header = [f"PP=4 over 4 namespaces, medians of {d['rounds']} rounds", "1 stream, tok/s", "16 streams, tok/s"]
-    return markdown([*header, "hops, ms"], rows)
+    return markdown([*header, "hops, ms"], _node_rows(d["medians"], RAY_LABELS, d["medians"]["nnodes"]))
+
+
+def _node_rows(runs: dict[str, Any], labels: dict[str, str], base: dict[str, Any]) -> list[list[str]]:
+    """A row per setup: tok/s of one stream and of many (each with its ratio to `base`), and hops."""
+    return [
+        [
+            labels.get(name, name),
+            *(f"{num(r[k])} ({num(r[k] / base[k], 2)})" for k in ("single_stream_tok_s", "batch_tok_s")),
+            " / ".join(num(h, 2) for h in r["hop_ms"]),
+        ]
+        for name, r in runs.items()
+    ]
 
 
 def table_pd(results: Sequence[Result]) -> list[str]:

@@ -212,7 +212,7 @@ class ServerState:
 
     def stage_nodes(self) -> dict[str, list[dict[str, str | int]]]:
         """Under Ray, for /health: `stages`, each stage's Ray node id and address."""
-        if self.engine is None or not (nodes := self.engine.stats().stage_nodes):
+        if self.engine is None or not (nodes := self.engine.stage_nodes):
             return {}
         return {"stages": [{"stage": i, "node_id": n, "address": a} for i, (n, a) in enumerate(nodes)]}
 

@@ -102,6 +102,16 @@ def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def cluster_key(args: argparse.Namespace) -> bytes | None:
+    """The secret of `--cluster-key-file` (or PPSERVE_CLUSTER_KEY), which `--insecure-cluster` excludes."""
+    from ppserve.transport.cluster_key import load_key
+
+    key = load_key(args.cluster_key_file)
+    if key is not None and args.insecure_cluster:
+        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    return key
+
+
 def ray_config(args: argparse.Namespace) -> RayConfig | None:
     if args.executor != "ray":
         for flag, given in (
@@ -112,16 +122,12 @@ def ray_config(args: argparse.Namespace) -> RayConfig | None:
                 raise ValueError(f"{flag} needs --executor ray")
         return None
     from ppserve.engine.cluster.ray_config import RayConfig
-    from ppserve.transport.cluster_key import load_key
 
-    key = load_key(args.cluster_key_file)
-    if key is not None and args.insecure_cluster:
-        raise ValueError("--insecure-cluster and a cluster key exclude each other")
     return RayConfig.create(
         address=args.ray_address,
         strategy=args.placement_strategy,
         node_addr=args.node_addr,
-        key=key,
+        key=cluster_key(args),
         insecure=args.insecure_cluster,
         ray_logs=getattr(args, "log_level", "info") == "debug",
     )
@@ -131,11 +137,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
     if args.nnodes == 1 and args.node_rank == 0:
         return None
     from ppserve.engine.cluster.config import ClusterConfig
-    from ppserve.transport.cluster_key import load_key
 
-    key = load_key(args.cluster_key_file)
-    if key is not None and args.insecure_cluster:
-        raise ValueError("--insecure-cluster and a cluster key exclude each other")
+    key = cluster_key(args)
     # Who joins, who is refused and why: said on the terminal of every node.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ppserve.cluster").setLevel(logging.INFO)

@@ -30,11 +30,20 @@ from typing import Any
 from ppserve.engine.cluster.remote_nodes import RemoteStage
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.runtime.stage_actor import StageActor, StagePlace
-from ppserve.engine.runtime.stage_pool import NoRoomError, StageError, StagePool
+from ppserve.engine.runtime.stage_pool import StageError, StagePool
 from ppserve.engine.runtime.stage_worker import StageLaunch
 from ppserve.transport.addresses import Addresses, tcp_address
 
 log = logging.getLogger("ppserve.engine")
+
+
+class NoRoomError(StageError):
+    """No node of the Ray cluster has room for a stage now; it may have later."""
+
+
+def make_pool(config: EngineConfig, on_failure: Callable[[StageError], None]) -> StagePool:
+    """The stages as processes, or under `--executor ray` as Ray actors (Ray is imported only then)."""
+    return RayStagePool(config, on_failure) if config.ray is not None else StagePool(config, on_failure)
 
 
 class RayStage(RemoteStage):
@@ -75,6 +84,9 @@ class RayStagePool(StagePool):
         self._actors: dict[int, Any] = {}  # per stage: its actor that does not run a stage yet
         self.places: list[StagePlace] = []  # where each stage's actor runs now
 
+    def stage_nodes(self) -> tuple[tuple[str, str], ...]:
+        return tuple((p.node_id, p.address) for p in self.places)
+
     @property
     def replaces_all(self) -> bool:
         return True  # the lost node's edges move with it: new addresses for its neighbours too
@@ -92,6 +104,7 @@ class RayStagePool(StagePool):
         from ray.util.placement_group import placement_group
 
         cfg, debug = self.ray_config, self.ray_config.ray_logs
+        where = f"the Ray cluster at {cfg.address}" if cfg.address else "a Ray of this machine"
         logging.getLogger("ray").setLevel(logging.DEBUG if debug else logging.ERROR)
         # ray.init sets SIGTERM and SIGINT handlers of its own (exit at once); the server's, which
         # drain first, are put back.
@@ -107,7 +120,6 @@ class RayStagePool(StagePool):
                 namespace="ppserve",
             )
         except Exception as e:  # unreachable, refused (its auth token), a version that differs, ...
-            where = f"the Ray cluster at {cfg.address}" if cfg.address else "a Ray of this machine"
             raise StageError(f"cannot join {where}: {' '.join(str(e).split())[:300]}") from None
         for sig, handler in handlers.items():
             if handler is not None:
@@ -121,7 +133,6 @@ class RayStagePool(StagePool):
 
                 driver.print_to_stdstream = to_debug_log
         self.group = placement_group([self._bundle()] * self.config.pp_size, strategy=cfg.strategy)
-        where = f"the Ray cluster at {cfg.address}" if cfg.address else "a Ray of this machine"
         log.info("placing %d stages on %s (%s)", self.config.pp_size, where, cfg.strategy)
 
     def _bundle(self) -> dict[str, float]:

@@ -71,10 +71,6 @@ class StageError(RuntimeError):
         self.fatal = fatal
 
 
-class NoRoomError(StageError):
-    """No node of a Ray cluster has room for a stage now; it may have later (engine/runtime/ray_stages.py)."""
-
-
 class StagePool:
     def __init__(
         self,
@@ -131,6 +127,10 @@ class StagePool:
     @property
     def uses_process_group(self) -> bool:
         return self.config.process_group is not None
+
+    def stage_nodes(self) -> tuple[tuple[str, str], ...]:
+        """Under Ray, per stage: its node's Ray id and address (else nothing: the layout is fixed)."""
+        return ()
 
     @property
     def replaces_all(self) -> bool:
