@@ -1,10 +1,11 @@
 """Weight-only quantized GEMMs against the packed float linears, on a model's own layer shapes.
 
-For each row count M (1: batch-1 decode, 32: 32 streams decoding, 256: a prefill chunk), times
+For each row count M (1: batch-1 decode, 32: 32 streams decoding, 256 and 1024: prefill), times
 one pass through every linear of every layer (q/k/v, o, gate/up, down: 30 layers of SmolLM2's
 shapes by default, so that the weights do not fit in the caches, as in a real step), and the
 head, for:
-- float32 and bfloat16, packed for oneDNN (engine/model/linear.py), as the engine runs them;
+- float32 and bfloat16 as the engine runs them (engine/model/linear.py: float32 by ppserve's GEMM,
+  bfloat16 packed for oneDNN), and float32 packed for oneDNN;
 - int8 and int4 in blocks of 32 through engine/model/quantized.py's QuantLinear with a float32
   model's activations, by each of its CPU kernels: ppserve's (int8 activations and integer dot
   products, engine/model/cpu_kernels.cpp) and torch's (`_weight_int8pack_mm` with one scale per
@@ -12,8 +13,8 @@ head, for:
 
     .venv/bin/python scripts/bench_quant.py [--hidden 576 --intermediate 1536 --layers 30 ...]
 
-Writes benchmarks/results/quant_kernels.json: milliseconds per pass (median of --repeats), and
-each quantized kernel's time relative to the float32 and bfloat16 packed linears.
+Writes benchmarks/results/quant_kernels.json: milliseconds per pass (median of --repeats rounds,
+the kinds alternating within each), and each quantized kernel's time relative to the float linears.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_record import write_result  # noqa: E402
 
-from ppserve.engine.model.linear import Linear, onednn_packs  # noqa: E402
+from ppserve.engine.model import cpu_kernels  # noqa: E402
+from ppserve.engine.model.linear import Linear  # noqa: E402
 from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, quantize_int8  # noqa: E402
 
 CPU = torch.device("cpu")
+# The float linears as the engine runs them (float32: ppserve's GEMM where it is built), and
+# float32 through oneDNN's packed weights, as the engine ran it before.
+FLOAT_KINDS = ["float32", "bfloat16", "float32-onednn"]
 
 
 def int4_weight(w: torch.Tensor) -> QuantWeight:
@@ -48,14 +53,10 @@ def int4_weight(w: torch.Tensor) -> QuantWeight:
     return QuantWeight(4, q, scale, lo + 8 * scale)
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -66,7 +67,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--rows", default="1,32,256", help="row counts M to time")
+    p.add_argument("--rows", default="1,32,256,1024", help="row counts M to time")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
@@ -80,34 +81,45 @@ def main() -> None:
     head = torch.randn(a.vocab, a.hidden, generator=gen) * 0.05
 
     def make(kind: str, w: torch.Tensor) -> torch.nn.Module:
-        if kind in ("float32", "bfloat16"):
-            dtype = getattr(torch, kind)
-            return Linear(w.to(dtype), None, onednn_packs(CPU, dtype))
+        if kind in FLOAT_KINDS:
+            dtype, _, kernel = kind.partition("-")
+            return Linear(w.to(getattr(torch, dtype)), None, kernel or None)
         bits, _, kernel = kind.partition("-")
         qw = quantize_int8(w) if bits == "int8" else int4_weight(w)
         return QuantLinear(qw, None, torch.float32, CPU, kernel or "ppserve")
 
-    def time_kind(kind: str) -> dict[str, dict[str, float]]:
-        layers = [make(kind, w) for w in weights]
-        head_layer = make(kind, head)
-        dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-        times = {}
-        for m in rows:
-            xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
-            with torch.inference_mode():
-                layers_ms = timed(lambda: [lin(xs[lin.in_features]) for lin in layers], a.repeats)  # noqa: B023
-                head_ms = timed(lambda: head_layer(xs[a.hidden]), a.repeats)  # noqa: B023
-            times[str(m)] = {"layers_ms": layers_ms, "head_ms": head_ms}
-            print(f"{kind:10s} M={m:4d}: layers {layers_ms:8.2f} ms, head {head_ms:7.2f} ms", flush=True)
-        return times
-
     rows = [int(r) for r in a.rows.split(",")]
     quantized = ("int8", "int4", "int8-torch", "int4-torch")  # bare: ppserve's kernel
-    results = {kind: time_kind(kind) for kind in ("float32", "bfloat16", *quantized)}
+    kinds = [*FLOAT_KINDS, *quantized]
+    if not cpu_kernels.float_gemm_available(CPU, torch.float32):
+        kinds.remove("float32-onednn")  # the engine's float32 is oneDNN's already
+    models = {kind: ([make(kind, w) for w in weights], make(kind, head)) for kind in kinds}
+    results: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in kinds}
+    for m in rows:
+        xs = {
+            dtype: {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
+            for dtype in (torch.float32, torch.bfloat16)
+        }
+        times: dict[str, dict[str, list[float]]] = {kind: {"layers_ms": [], "head_ms": []} for kind in kinds}
+        with torch.inference_mode():
+            for r in range(a.repeats + 1):  # kinds alternate within each round; the first is a warm-up
+                for kind in kinds:
+                    layers, head_layer = models[kind]
+                    x = xs[torch.bfloat16 if kind.startswith("bfloat16") else torch.float32]
+                    layers_ms = timed(lambda: [lin(x[lin.in_features]) for lin in layers])  # noqa: B023
+                    head_ms = timed(lambda: head_layer(x[a.hidden]))  # noqa: B023
+                    if r:
+                        times[kind]["layers_ms"].append(layers_ms)
+                        times[kind]["head_ms"].append(head_ms)
+        for kind in kinds:
+            results[kind][str(m)] = {k: statistics.median(v) for k, v in times[kind].items()}
+            t = results[kind][str(m)]
+            print(f"{kind:14s} M={m:4d}: layers {t['layers_ms']:8.2f} ms, head {t['head_ms']:7.2f} ms", flush=True)
     pairs = [(q, f) for q in quantized for f in ("float32", "bfloat16")] + [
         ("int8", "int8-torch"),
         ("int4", "int4-torch"),
     ]
+    pairs += [("float32", "float32-onednn")] if "float32-onednn" in kinds else []
     ratios = {
         f"{q}_vs_{f}": {
             m: (results[q][m]["layers_ms"] + results[q][m]["head_ms"])

@@ -14,8 +14,9 @@ def table_quant_kernels(r: Sequence[Result]) -> list[str]:
     ms = d["ms"]
     rows_m = list(ms["float32"])
     labels = {
-        "float32": "float32, packed",
-        "bfloat16": "bfloat16, packed",
+        "float32": "float32, ppserve's GEMM (the engine's)",
+        "float32-onednn": "float32, packed for oneDNN",
+        "bfloat16": "bfloat16, packed for oneDNN (the engine's)",
         "int8": "int8, blocks of 32, ppserve's kernel",
         "int4": "int4, groups of 32, ppserve's kernel",
         "int8-torch": "int8 per row, torch's `_weight_int8pack_mm`",

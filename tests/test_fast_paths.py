@@ -1,6 +1,6 @@
 """The CPU fast paths against the plain torch they replace: the kernels of engine/model/cpu_kernels.cpp
 (decode attention over the paged cache, residual add with RMSNorm, SiLU * up, RoPE with the cache
-write), and fused, oneDNN-packed linear layers."""
+write), fused linear layers, and ppserve's float32 GEMM."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from ppserve.engine.model import attention, cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention
-from ppserve.engine.model.linear import Linear, fuse_linears, onednn_packs
+from ppserve.engine.model.linear import Linear, default_kernel, fuse_linears
 from ppserve.engine.model.model import RMSNorm, apply_rope, rope_inv_freq
 from ppserve.engine.model.model_config import RopeConfig
 
@@ -87,18 +87,54 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_packed_linear_matches_separate(dtype: torch.dtype) -> None:
+def test_fused_linear_matches_separate(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(48, 32, bias=True), nn.Linear(48, 16, bias=False), nn.Linear(48, 8, bias=True)]
     layers = [lin.to(dtype) for lin in layers]
     fused = fuse_linears(layers, dtype, torch.device("cpu"))
     assert isinstance(fused, Linear) and fused.out_features == 56
-    assert fused.packed == onednn_packs(torch.device("cpu"), dtype)
+    assert fused.kernel == default_kernel(torch.device("cpu"), dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows in (1, 3, 64, 200):  # the packed weight serves any number of rows
+    for rows in (1, 3, 64, 200):  # the laid-out weight serves any number of rows
         x = torch.randn(rows, 48).to(dtype)
         want = torch.cat([lin(x) for lin in layers], dim=-1)
         torch.testing.assert_close(fused(x).float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.float_gemm_available(torch.device("cpu"), torch.float32), reason="no AVX-512: oneDNN runs"
+)
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (45, 33), (7, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_float_gemm_within_float32_bound(out_features: int, in_features: int, bias: bool) -> None:
+    """ppserve's float32 GEMM against a float64 product, at M = 1, 7, 32 and 200 (a 7-row tail of
+    the 8-row passes, and a last group of fewer than 32 outputs). Each output is one sum of K
+    products with float32 roundings, so its error is at most K * 2^-24 * sum |x_k w_k| (Higham's
+    bound for a recursive sum, with room for the bias's add)."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    linear = Linear(w, b, "ppserve")
+    for rows in (1, 7, 32, 200):
+        x = torch.randn(rows, in_features, generator=gen)
+        want = x.double() @ w.double().T + (0 if b is None else b.double())
+        bound = (in_features + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + (0 if b is None else b.abs()))
+        assert ((linear(x).double() - want).abs() <= bound).all()
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.float_gemm_available(torch.device("cpu"), torch.float32), reason="no AVX-512: oneDNN runs"
+)
+def test_float_gemm_row_does_not_depend_on_batch() -> None:
+    """A row's output is bitwise the same alone, in any pass of 8 rows, and past a chunk of 256:
+    a request's tokens come out the same in whatever micro-batch the pipeline puts them."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(100, 64, generator=gen), torch.randn(100, generator=gen)
+    linear = Linear(w, b, "ppserve")
+    x = torch.randn(300, 64, generator=gen)
+    whole = linear(x)
+    for start, rows in [(0, 1), (5, 1), (3, 7), (250, 9), (299, 1), (100, 200)]:
+        assert torch.equal(linear(x[start : start + rows]), whole[start : start + rows])
 
 
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""The CPU kernels of the forward pass (cpu_kernels.cpp): built once per machine, loaded with ctypes.
+"""The CPU kernels of the forward pass (cpu_kernels.cpp, cpu_gemm.cpp): built once per machine into
+one library, loaded with ctypes.
 
 - Decode attention: SDPA needs each request's keys and values gathered into one padded tensor
   first, and its flash kernel is tuned for many queries; for one query per request the gather
@@ -9,6 +10,9 @@
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
 - Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
   unpacking the bits with torch ops costs a fraction of a millisecond).
+- The float32 GEMM of the linears (engine/model/linear.py): oneDNN's kernels for fewer than 32 rows
+  read the weights at half the memory's speed, and the step of a model at batch 1 is mostly that
+  read; ppserve's reads them at memory speed and keeps up with oneDNN's at prefill sizes.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
   and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
@@ -43,7 +47,8 @@ from ppserve.engine.model.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix
 _PTR, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = {
@@ -54,8 +59,9 @@ _ARGTYPES = {
 }
 # Float32 only: the sampler's logits.
 _F32_ARGTYPES = {"apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64, _INT64]}
-# Built only for some CPUs (see cpu_kernels.cpp): present or absent as a whole.
+# Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
+_FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf.
@@ -107,7 +113,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
     cmd = [cxx, *FLAGS]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(" ".join([SOURCE.read_text(), version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
+        texts = [f.read_text() for f in (*SOURCES, HEADER)]
+        key = hashlib.sha256(" ".join([*texts, version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
         lib = Path(cache) / "kernels" / f"cpu_kernels-{key}.so"
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +123,7 @@ def _load(cache: str) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 out = Path(tmp) / lib.name
                 subprocess.run(
-                    [*cmd, str(SOURCE), "-o", str(out), "-lmvec"], capture_output=True, text=True, check=True
+                    [*cmd, *map(str, SOURCES), "-o", str(out), "-lmvec"], capture_output=True, text=True, check=True
                 )
                 os.replace(out, lib)
         dll = ctypes.CDLL(str(lib))
@@ -129,7 +136,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
         for suffix in KERNEL_DTYPES.values():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
-    for name, argtypes in _F32_ARGTYPES.items():
+    f32 = _F32_ARGTYPES | (_FLOAT_GEMM_ARGTYPES if hasattr(dll, "float_gemm_f32") else {})
+    for name, argtypes in f32.items():
         fn = getattr(dll, f"{name}_f32")
         fn.argtypes, fn.restype = argtypes, None
     return dll
@@ -137,6 +145,28 @@ def _load(cache: str) -> ctypes.CDLL | None:
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in KERNEL_DTYPES and load() is not None
+
+
+def float_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `FloatGemm` runs here (float32, the library built with its float GEMM)."""
+    return dtype == torch.float32 and available(device, dtype) and hasattr(load(), "float_gemm_f32")
+
+
+class FloatGemm:
+    """y = x @ W.T + bias by ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+        self.fn = _kernel("float_gemm", torch.float32)
+        self.out_features = out_features
+        self.tensors = (weight, bias)  # alive as long as their pointers are
+        self.pointers = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] float32 -> [rows, out_features]."""
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], self.out_features)
+        self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
+        return y
 
 
 def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,14 +1,18 @@
 """Linear layers as a stage runs them: projections that read the same input fused into one GEMM,
-and on the CPU weights pre-packed once for oneDNN.
+and on the CPU weights laid out once for the kernel that runs them.
 
-Decode GEMMs are skinny (a handful to a few hundred rows against thousands of columns). There,
-oneDNN with weights reordered once into its blocked layout is 1.3-2x faster than the BLAS call
-behind `F.linear` in float32 and 2-4x faster in bfloat16 (scripts/profile_step.py shows the
-share). Fusing q/k/v and gate/up turns five calls per layer into two wider ones.
+Decode GEMMs are skinny (a handful to a few hundred rows against thousands of columns). There the
+BLAS call behind `F.linear` is slow; the weight laid out once for a kernel is not:
+- float32: ppserve's own GEMM (engine/model/cpu_gemm.cpp), where the CPU kernel library is built:
+  at batch 1 a step reads every weight once, and this kernel reads them at memory speed, about
+  twice as fast as oneDNN's; from 32 rows on the two are within 10% (scripts/bench_quant.py).
+- bfloat16 (and float32 without the library): oneDNN with the weights reordered once into its
+  blocked layout, 1.3-2x faster than `F.linear` in float32 and 2-4x in bfloat16.
+Fusing q/k/v and gate/up turns five calls per layer into two wider ones.
 
 The checkpoint is loaded into the usual `nn.Linear` modules (their names are the checkpoint's);
 `fuse_linears` then builds one `Linear` per group from their weights and the originals are
-dropped, so the packed copy is the only one held.
+dropped, so the laid-out copy is the only one held.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.quantized import QuantLinear, QuantWeight, concat, quantize_int8
 
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
@@ -28,28 +33,53 @@ PACK_ROWS_HINT = 64
 # fewer rows are padded to four with zeros and the extra outputs dropped.
 MIN_ROWS = 4
 PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+LANES = 32  # output rows per group of ppserve's float GEMM (cpu_gemm.cpp)
+KERNELS = ("ppserve", "onednn", "torch")
 
 
-def onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` on `device` are packed for oneDNN."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a `Linear` of `dtype` on `device` runs by default (see the module doc)."""
+    if cpu_kernels.float_gemm_available(device, dtype):
+        return "ppserve"
+    if device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
+        return "onednn"
+    return "torch"
+
+
+def pack_float_lanes(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [groups, in, 32] for ppserve's float GEMM: output rows in groups of 32 (the last
+    padded with zero rows), a group's 32 weights of one input side by side."""
+    out, inp = weight.shape
+    groups = -(-out // LANES)
+    padded = F.pad(weight, (0, 0, 0, groups * LANES - out))
+    return padded.view(groups, LANES, inp).transpose(1, 2).contiguous()
 
 
 class Linear(nn.Module):
     """y = x @ W.T + b for x: [rows, in_features] -> [rows, out_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
+        """`kernel`: one of KERNELS (scripts/bench_quant.py times them); by default `default_kernel`."""
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = pack
-        w = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if pack else weight
+        self.kernel = kernel or default_kernel(weight.device, weight.dtype)
+        self.gemm: cpu_kernels.FloatGemm | None = None
+        if self.kernel == "ppserve":
+            w = pack_float_lanes(weight)
+            self.gemm = cpu_kernels.FloatGemm(w, bias, self.out_features)
+        elif self.kernel == "onednn":
+            w = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        else:
+            w = weight
         self.weight: torch.Tensor
         self.bias: torch.Tensor | None
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.gemm is not None:
+            return self.gemm(x)
+        if self.kernel == "onednn":
             rows = x.shape[0]
             if rows < MIN_ROWS:
                 x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
@@ -82,4 +112,4 @@ def fuse_linears(
         ]
         return QuantLinear(concat(ws), bias, dtype, device)
     weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-    return Linear(weight.contiguous(), bias, onednn_packs(weight.device, weight.dtype))
+    return Linear(weight.contiguous(), bias)

@@ -1,0 +1,254 @@
+// The GEMMs of the CPU kernel library (built with cpu_kernels.cpp into one library, see there):
+// y = x @ W.T + b for x: [M, K], W: [N, K] as a linear layer holds it, y: [M, N], every operand
+// row-major and contiguous, W repacked once at load into the kernel's own layout.
+//
+// - float_gemm (float32): W in groups of 32 output rows, input-major within a group, so that at
+//   each input k one load brings the 32 rows' weights and each activation row adds x[m][k] times
+//   them into two registers: no horizontal sums, and one code path from batch 1 (a pass over the
+//   weights at memory speed) to prefill (8 rows per pass, the weights of a group kept in cache).
+// - quant_gemm_q4 / quant_gemm_q8: W kept as 4- or 8-bit integers (built only where the CPU has
+//   AVX-512 VNNI).
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace ppserve;
+
+#if defined(__AVX512F__)
+#define PPSERVE_FLOAT_GEMM 1
+
+// Float32 weights, per group of 32 output rows: [K][32], row n0 + l's input k at k * 32 + l (the
+// last group padded with zero rows). Every output is one sum over k in order, fused multiply-adds
+// into a float32 accumulator whatever M is, so a row's result does not depend on what else is in
+// the batch: a request's tokens come out the same alone and in any micro-batch (the pipeline's
+// split into stages changes the batches, and PP=1 and PP=P stay bitwise equal).
+// Against oneDNN's packed float32 linear (scripts/bench_quant.py, SmolLM2's layers): 0.55x the
+// time at batch 1, 0.9-0.95x at 32 rows, equal at 256, up to 1.1x at 1024 and more.
+constexpr int64_t kFLanes = 32;   // output rows per group: two 16-lane registers
+constexpr int kFRows = 8;         // activation rows per pass over a group's weights
+constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group's weights in cache
+
+// One group against activation rows x[0, R): acc[2i + h] lane l = y[i][16h + l] (without bias).
+template <int R>
+void float_group(const float* x, int64_t K, const float* w, __m512* acc) {
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w + k * kFLanes), w1 = _mm512_loadu_ps(w + k * kFLanes + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xi = _mm512_set1_ps(x[i * K + k]);
+      acc[2 * i] = _mm512_fmadd_ps(xi, w0, acc[2 * i]);
+      acc[2 * i + 1] = _mm512_fmadd_ps(xi, w1, acc[2 * i + 1]);
+    }
+  }
+}
+
+template <int R>
+void float_rows(int rows, const float* x, int64_t K, const float* w, __m512* acc) {
+  // the rows' accumulators stay in registers: one instance per count
+  if constexpr (R == 1) {
+    float_group<1>(x, K, w, acc);
+  } else if (rows == R) {
+    float_group<R>(x, K, w, acc);
+  } else {
+    float_rows<R - 1>(rows, x, K, w, acc);
+  }
+}
+
+inline __mmask16 lane_mask(int64_t lanes) { return lanes >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1); }
+
+void float_gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const __mmask16 m0 = lane_mask(lanes), m1 = lane_mask(std::max<int64_t>(0, lanes - 16));
+      const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, bias + n0);
+      const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, bias + n0 + 16);
+      for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
+        __m512 acc[2 * kFRows];
+        float_rows<kFRows>(rows, x + r0 * K, K, w + g * K * kFLanes, acc);
+        for (int i = 0; i < rows; ++i) {
+          float* out = y + (r0 + i) * N + n0;
+          _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[2 * i], b0));
+          _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[2 * i + 1], b1));
+        }
+      }
+    }
+  }
+}
+#endif  // AVX-512
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PPSERVE_QUANT_GEMM 1
+
+// Weight-only quantized GEMM, the way llama.cpp does its quantized dot products: the activations
+// are rounded to int8 in blocks of 32 (one scale each, max |x| / 127) and multiplied with the
+// integer weights in int32 (vpdpbusd: 64 byte products per instruction), and only the block sums
+// are scaled in float. The weights are laid out (engine/model/quantized.py packs them) so that one
+// 512-bit register holds 4 weights of each of 16 output rows: for a block of 32 inputs, 8 products
+// against the broadcast activations give the 16 rows' block sums in the 16 lanes, with no
+// horizontal sums anywhere. Per group of 16 rows and block of 32 inputs:
+//   int4: 256 bytes, 64-byte chunk c: lane l's byte k = w[l][4c + k] | w[l][4c + 16 + k] << 4 (0..15);
+//         scales and mins fp16 [16] each, w = q * scale + min (GGUF's Q4_1; Q4_0's min is -8 scale)
+//   int8: 512 bytes, chunk t: lane l's byte k = w[l][4t + k] + 128 (vpdpbusd multiplies unsigned by
+//         signed bytes; the 128 * sum(x) it adds is taken off again); scales fp16 [16], w = q * scale
+// At batch 1 this reads the weights at about memory speed; at 32 and 256 rows it takes 0.7-0.9x
+// the time of oneDNN's bfloat16 GEMM and 0.35-0.4x that of torch's int4 kernel (scripts/bench_quant.py).
+constexpr int64_t kQBlock = 32;  // inputs per scale, of weights and activations alike
+constexpr int64_t kQLanes = 16;  // output rows per group
+constexpr int kQRows = 8;        // activation rows per pass over a group's weights
+
+struct QuantActs {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, K / 32]
+  std::vector<float> sum;     // [M, K / 32]: the block's sum of rounded x, for int4's mins
+  std::vector<int32_t> corr;  // [M, K / 32]: -128 * the block's sum of q, for int8's offset
+};
+
+template <typename T>
+void quantize_acts(const T* x, int64_t rows, int64_t K, QuantActs& a) {
+  const int64_t blocks = K / kQBlock;
+  a.q.resize(rows * K);
+  a.scale.resize(rows * blocks);
+  a.sum.resize(rows * blocks);
+  a.corr.resize(rows * blocks);
+#pragma omp parallel for if (rows * K >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = r * blocks; b < (r + 1) * blocks; ++b) {
+      const T* xb = x + b * kQBlock;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        amax = std::max(amax, std::fabs(to_float(xb[j])));
+        finite = finite && std::isfinite(to_float(xb[j]));
+      }
+      // A NaN or infinity cannot be rounded to int8: the block's scale carries it (a NaN) instead,
+      // so that every output of the row is NaN, as the float product's would be NaN or infinite.
+      if (!finite) amax = std::numeric_limits<float>::quiet_NaN();
+      // A block of values below 1e-30 rounds to zero (127 / amax would overflow for subnormals).
+      const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
+      int32_t qsum = 0;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        // (inv 0: a NaN/infinite or all-tiny block, whose products must not reach the int cast)
+        const int32_t v = inv == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(to_float(xb[j]) * inv));
+        a.q[b * kQBlock + j] = static_cast<int8_t>(v);
+        qsum += v;
+      }
+      // int4's mins multiply the rounded inputs too, so that the whole product is that of the
+      // float weights with the rounded inputs: an input's rounding error then meets |w|, not
+      // |q * scale| (up to 15 * scale, twice as large as |w| on average for Q4_0/Q4_1 weights).
+      a.scale[b] = amax / 127.0f;
+      a.sum[b] = a.scale[b] * static_cast<float>(qsum);
+      a.corr[b] = -128 * qsum;
+    }
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes into every lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 load_fp16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One group of 16 output rows against activation rows [m0, m0 + R): acc[i] lane l = y[m0 + i][l].
+template <int Bits, int R>
+void quant_group(const uint8_t* w, const uint16_t* scales, const uint16_t* mins, const QuantActs& a, int64_t m0,
+                 int64_t K, __m512* acc) {
+  const int64_t blocks = K / kQBlock;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i wv[8];  // wv[t] lane l: row l's inputs 4t..4t+3 of this block
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i packed = _mm512_loadu_si512(w + (b * 4 + c) * 64);
+        wv[c] = _mm512_and_si512(packed, low4);
+        wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(w + (b * 8 + t) * 64);
+    }
+    const __m512 ws = load_fp16(scales + b * kQLanes);
+    for (int i = 0; i < R; ++i) {
+      const int64_t ab = (m0 + i) * blocks + b;
+      const int8_t* xq = a.q.data() + ab * kQBlock;
+      __m512i dot = Bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(a.corr[ab]);
+      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, wv[t], broadcast4(xq + 4 * t));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[ab])), acc[i]);
+      if constexpr (Bits == 4) acc[i] = _mm512_fmadd_ps(load_fp16(mins + b * kQLanes), _mm512_set1_ps(a.sum[ab]), acc[i]);
+    }
+  }
+}
+
+template <int Bits, typename T>
+void quant_gemm(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins, const T* bias, T* y,
+                int64_t M, int64_t N, int64_t K) {
+  thread_local QuantActs mine;
+  const QuantActs& acts = mine;  // the calling thread's (in the team, `mine` names each thread's own)
+  quantize_acts(x, M, K, mine);
+  const int64_t blocks = K / kQBlock, groups = (N + kQLanes - 1) / kQLanes, passes = (M + kQRows - 1) / kQRows;
+  const int64_t group_bytes = blocks * (Bits == 4 ? 256 : 512);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t p = 0; p < passes; ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m0 = p * kQRows, rows = std::min<int64_t>(kQRows, M - m0);
+      const uint8_t* wg = w + g * group_bytes;
+      const uint16_t* sg = scales + g * blocks * kQLanes;
+      const uint16_t* mg = Bits == 4 ? mins + g * blocks * kQLanes : nullptr;
+      __m512 acc[kQRows];
+      switch (rows) {  // the rows' accumulators stay in registers: one instance per count
+        case 8: quant_group<Bits, 8>(wg, sg, mg, acts, m0, K, acc); break;
+        case 7: quant_group<Bits, 7>(wg, sg, mg, acts, m0, K, acc); break;
+        case 6: quant_group<Bits, 6>(wg, sg, mg, acts, m0, K, acc); break;
+        case 5: quant_group<Bits, 5>(wg, sg, mg, acts, m0, K, acc); break;
+        case 4: quant_group<Bits, 4>(wg, sg, mg, acts, m0, K, acc); break;
+        case 3: quant_group<Bits, 3>(wg, sg, mg, acts, m0, K, acc); break;
+        case 2: quant_group<Bits, 2>(wg, sg, mg, acts, m0, K, acc); break;
+        default: quant_group<Bits, 1>(wg, sg, mg, acts, m0, K, acc); break;
+      }
+      const int64_t n0 = g * kQLanes, lanes = std::min<int64_t>(kQLanes, N - n0);  // the last group's padding
+      for (int64_t i = 0; i < rows; ++i) {
+        alignas(64) float v[kQLanes];
+        _mm512_store_ps(v, acc[i]);
+        T* out = y + (m0 + i) * N + n0;
+        for (int64_t l = 0; l < lanes; ++l) store(out + l, bias == nullptr ? v[l] : v[l] + to_float(bias[n0 + l]));
+      }
+    }
+  }
+}
+#endif  // AVX-512 VNNI
+
+}  // namespace
+
+extern "C" {
+
+#if defined(PPSERVE_FLOAT_GEMM)
+void float_gemm_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  float_gemm(x, w, bias, y, M, N, K);
+}
+#endif
+
+#if defined(PPSERVE_QUANT_GEMM)
+#define PPSERVE_QUANT_KERNELS(SUFFIX, T)                                                                             \
+  void quant_gemm_q4_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
+                              const T* bias, T* y, int64_t M, int64_t N, int64_t K) {                               \
+    quant_gemm<4>(x, w, scales, mins, bias, y, M, N, K);                                                              \
+  }                                                                                                                   \
+  void quant_gemm_q8_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
+                              const T* bias, T* y, int64_t M, int64_t N, int64_t K) {                               \
+    quant_gemm<8>(x, w, scales, mins, bias, y, M, N, K);                                                              \
+  }
+
+PPSERVE_QUANT_KERNELS(f32, float)
+PPSERVE_QUANT_KERNELS(bf16, uint16_t)
+#endif
+
+}  // extern "C"
