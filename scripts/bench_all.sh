@@ -31,7 +31,7 @@ run_profile_step() {                                                 # ~5 min fo
   small="$(ckpt small)" realistic="$(ckpt realistic)" gguf="$(demo)"
   # The column before the fast paths: F.linear, and SDPA instead of the decode-attention kernel.
   PPSERVE_CPU_KERNELS=0 $PY scripts/profile_step.py --model-dir "$small" --batch 64 --context 200 --threads 2 \
-    --plain-linear --tag small_plain
+    --linear-kernel torch --tag small_plain
   $PY scripts/profile_step.py --model-dir "$small" --batch 64 --context 200 --threads 2 --tag small
   $PY scripts/profile_step.py --model-dir "$small" --batch 64 --context 200 --threads 2 --dtype bfloat16 --tag small_bf16
   $PY scripts/profile_step.py --model-dir "$small" --batch 1 --context 200 --threads 2 --tag small_batch1
