@@ -26,13 +26,17 @@ from ppserve.transport.messages import SeqChunk, StepPlan, StepResult
 class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runners = [StageRunner(config, i) for i in range(config.pp_size)]
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        # Loaded on the thread that computes, as a stage process loads its model. Each thread that
+        # runs parallel torch work gets an OpenMP team of its own; with more of them than cores,
+        # OpenMP stops spinning between parallel regions, and every GEMM of a step then waits for
+        # its sleeping threads to wake (SmolLM2's batch-1 GEMMs took twice as long).
+        self.runners = self._thread.submit(lambda: [StageRunner(config, i) for i in range(config.pp_size)]).result()
         # The last stage's sampling state: the stage processes keep the same (stage_worker.py).
         self.sampler = make_sampler(config)
         self._plans: deque[StepPlan] = deque()
         self._woken = False  # a plan or a wake-up came since the last `next_result`
         self._waiter: asyncio.Future[None] | None = None  # while `next_result` waits for one
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def forward(
         self, chunks: Sequence[SeqChunk], all_logits: bool = False, prompt_rows: Sequence[int] = ()
