@@ -61,21 +61,16 @@ def test_generate_json_matches_engine(llama_dir: Path) -> None:
     assert all(len(lp["top_logprobs"]) == 1 and lp["logprob"] <= lp["top_logprobs"][0][1] for lp in scored)
 
 
-def test_generate_input_ids_seeded_is_reproducible(llama_dir: Path) -> None:
+def test_seeded_generate_is_reproducible_and_prints_the_text(llama_dir: Path) -> None:
+    """The same seeded sampling twice gives the same tokens; without --json the output is the text."""
     args = ["generate", "--model", str(llama_dir), "--input-ids", "5,6,7,8", "--max-tokens", "10"]
-    args += ["--seed", "3", "--top-p", "0.9", "--ignore-eos", "--json", "--layer-partition", "1,3", "--pp-size", "2"]
-    first, second = run_cli(*args), run_cli(*args)
-    assert first.returncode == 0, first.stderr
-    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
-    assert json.loads(first.stdout)["prompt_token_ids"] == [5, 6, 7, 8]
-
-
-def test_plain_output_is_the_text(llama_dir: Path) -> None:
-    args = ["generate", "--model", str(llama_dir), "--prompt", "hello", "--chat", "--max-tokens", "6"]
-    args += ["--seed", "1", "--ignore-eos"]
-    plain, as_json = run_cli(*args), run_cli(*args, "--json")
+    args += ["--seed", "3", "--top-p", "0.9", "--ignore-eos", "--layer-partition", "1,3", "--pp-size", "2"]
+    as_json, plain = run_cli(*args, "--json"), run_cli(*args)
+    assert as_json.returncode == 0, as_json.stderr
     assert plain.returncode == 0, plain.stderr
-    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    out = json.loads(as_json.stdout)
+    assert out["prompt_token_ids"] == [5, 6, 7, 8] and len(out["token_ids"]) == 10
+    assert plain.stdout == out["text"] + "\n"  # the same sampled tokens, printed as text
 
 
 def test_batch_from_stdin_through_the_pipeline(llama_dir: Path) -> None:
@@ -256,30 +251,51 @@ def test_serve_flags(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert server.stop() == 0
 
 
-def test_serve_bad_disaggregation_flags(llama_dir: Path) -> None:
-    base = ["serve", "--model", str(llama_dir), "--port", "0", "--disaggregation-mode"]
-    res = run_cli(*base, "decode", "--disaggregation-transfer-timeout", "0")
-    assert res.returncode == 2 and "transfer timeout must be a positive number of seconds" in res.stderr
-    res = run_cli(*base, "prefill", "--disaggregation-bootstrap-timeout", "nan")
-    assert res.returncode == 2 and "bootstrap timeout must be a positive number of seconds" in res.stderr
-    res = run_cli(*base, "prefill", "--disaggregation-bootstrap-port", "70000")
-    assert res.returncode == 2 and "bootstrap port must be in [0, 65535]" in res.stderr
-    res = run_cli(*base, "middle")
-    assert res.returncode == 2 and "invalid choice" in res.stderr
-    # The pair's sockets need the cluster key, unless the user opts out loudly.
-    res = run_cli(*base, "decode")
-    assert res.returncode == 2 and "needs a shared secret" in res.stderr and "--insecure-cluster" in res.stderr
-    res = run_cli("router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9")
-    assert res.returncode == 2 and "the router needs the servers' shared secret" in res.stderr
+PREFILL = ["--disaggregation-mode", "prefill"]
+DECODE = ["--disaggregation-mode", "decode"]
 
 
-def test_serve_bad_flags(llama_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([*DECODE, "--disaggregation-transfer-timeout", "0"], "transfer timeout must be a positive"),
+        (
+            [*PREFILL, "--disaggregation-bootstrap-timeout", "nan"],
+            "bootstrap timeout must be a positive",
+        ),
+        (
+            [*PREFILL, "--disaggregation-bootstrap-port", "70000"],
+            "bootstrap port must be in [0, 65535]",
+        ),
+        (["--disaggregation-mode", "middle"], "invalid choice"),
+        # The pair's sockets need the cluster key, unless the user opts out loudly.
+        (DECODE, "needs a shared secret on both sides"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    ],
+)
+def test_serve_bad_flags_one_line_exit_2(
+    llama_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything is started or bound: in this process, as the console script runs main()."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", str(llama_dir), "--port", "0", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and message in lines[-1], err
+
+
+def test_router_needs_the_shared_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"])
+    assert exited.value.code == 2 and "the router needs the servers' shared secret" in capsys.readouterr().err
+
+
+def test_serve_refusals_through_the_console_script(llama_dir: Path) -> None:
+    """What only a started server finds, as a user sees it: one line, no traceback."""
     res = run_cli("serve", "--model", str(llama_dir), "--pp-size", "9")
     assert res.returncode == 2 and "pp_size" in res.stderr.replace("-", "_") and "Traceback" not in res.stderr
-    res = run_cli("serve", "--model", str(llama_dir), "--log-level", "loud")
-    assert res.returncode == 2 and "--log-level" in res.stderr
-    res = run_cli("serve", "--model", str(llama_dir), "--shutdown-timeout", "-1")
-    assert res.returncode == 2 and "--shutdown-timeout must be >= 0" in res.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -3,10 +3,12 @@ and the real tiny model at PP = 2 (same tokens with and without it)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -35,10 +37,10 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("long"), spec)
 
 
-async def _long_prompt(
-    model_dir: Path, chunk: int, dynamic: bool
-) -> tuple[float, list[int], tuple[float, float, float] | None]:
-    """TTFT of one 64K-token prompt, the prefill chunk sizes scheduled (in order), the fit (a, b, c)."""
+@contextlib.asynccontextmanager
+async def _engine(model_dir: Path, chunk: int, dynamic: bool) -> AsyncIterator[AsyncEngine]:
+    """A PP=4 engine of synthetic stages, warmed up. Without a prefix cache, so that it can time
+    the same prompt again."""
     config = EngineConfig.create(
         model_dir,
         pp_size=4,
@@ -49,51 +51,59 @@ async def _long_prompt(
         chunk_smooth=0.75,
         synthetic_latency=LATENCY,
         threads_per_stage=1,
+        enable_prefix_caching=False,
     )
     async with AsyncEngine(config) as engine:
-        # Warm-up: the first request pays for lazy set-up in every process. Other tokens than the
-        # prompt's, which would otherwise start from the warm-up's cached blocks.
+        # The first request pays for lazy set-up in every process.
         async for _ in engine.generate([8] * 64, SamplingParams(max_tokens=2)):
             pass
-        start, start_wall = time.perf_counter(), time.time()
-        async for _ in engine.generate([7] * PROMPT, SamplingParams(max_tokens=1, ignore_eos=True)):
-            pass
-        ttft = time.perf_counter() - start
-        first_stage = sorted(
-            (i for i in engine.timeline.intervals if i.stage == 0 and i.start >= start_wall), key=lambda i: i.mb_id
-        )
-        model = engine.stats().latency_model
-    return ttft, [i.tokens for i in first_stage if i.kind == "prefill"], model
+        yield engine
+
+
+async def _long_prompt(engine: AsyncEngine) -> tuple[float, list[int], tuple[float, float, float] | None]:
+    """TTFT of one 64K-token prompt, the prefill chunk sizes scheduled (in order), the fit (a, b, c)."""
+    start, start_wall = time.perf_counter(), time.time()
+    async for _ in engine.generate([7] * PROMPT, SamplingParams(max_tokens=1, ignore_eos=True)):
+        pass
+    ttft = time.perf_counter() - start
+    first_stage = sorted(
+        (i for i in engine.timeline.intervals if i.stage == 0 and i.start >= start_wall), key=lambda i: i.mb_id
+    )
+    return ttft, [i.tokens for i in first_stage if i.kind == "prefill"], engine.stats().latency_model
 
 
 async def test_synthetic_pp4_dynamic_chunks_shrink_and_beat_every_fixed_size(long_context_dir: Path) -> None:
-    ttft, chunks, model = await _long_prompt(long_context_dir, C, dynamic=True)
-    assert sum(chunks) == PROMPT
-    # Non-increasing, up to one alignment unit (64): the model is refitted from live timings
-    # part-way through the prompt, and a refit may move the next chunk by one unit.
-    assert chunks[0] == C and all(x >= y - 64 for x, y in itertools.pairwise(chunks[:-1])), chunks
-    assert chunks[-2] < C / 2, chunks  # they really shrink (the floor is C/4)
-    # The fitted model is the bottleneck stage's: a quarter of the model's attention and linear
-    # work plus the per-forward constant. Measured times carry a few ms of scheduling jitter, so
-    # check what the chunk sizes depend on: the attention term and the cost of a whole chunk.
-    assert model is not None
-    fitted = LatencyModel(*model)
-    assert fitted.a == pytest.approx(LATENCY[0] / 4, rel=0.25)
-    for prefix in (0, PROMPT // 2):
-        truth = synthetic_seconds(LATENCY, [SeqChunk("x", [0] * C, prefix, [], False)], 0.25)
-        assert fitted.chunk(prefix, C) == pytest.approx(truth, rel=0.1)
+    async with contextlib.AsyncExitStack() as engines:
+        dynamic_engine = await engines.enter_async_context(_engine(long_context_dir, C, dynamic=True))
+        ttft, chunks, model = await _long_prompt(dynamic_engine)
+        assert sum(chunks) == PROMPT
+        # Non-increasing, up to one alignment unit (64): the model is refitted from live timings
+        # part-way through the prompt, and a refit may move the next chunk by one unit.
+        assert chunks[0] == C and all(x >= y - 64 for x, y in itertools.pairwise(chunks[:-1])), chunks
+        assert chunks[-2] < C / 2, chunks  # they really shrink (the floor is C/4)
+        # The fitted model is the bottleneck stage's: a quarter of the model's attention and linear
+        # work plus the per-forward constant. Measured times carry a few ms of scheduling jitter, so
+        # check what the chunk sizes depend on: the attention term and the cost of a whole chunk.
+        assert model is not None
+        fitted = LatencyModel(*model)
+        assert fitted.a == pytest.approx(LATENCY[0] / 4, rel=0.25)
+        for prefix in (0, PROMPT // 2):
+            truth = synthetic_seconds(LATENCY, [SeqChunk("x", [0] * C, prefix, [], False)], 0.25)
+            assert fitted.chunk(prefix, C) == pytest.approx(truth, rel=0.1)
 
-    fixed = {
-        size: (await _long_prompt(long_context_dir, size, dynamic=False))[0] for size in (C // 4, C // 2, C, 2 * C)
-    }
-    best = min(fixed, key=lambda s: fixed[s])
-    # Dynamic against the best fixed size, two more times each, alternating: medians of three
-    # from the same run on the same machine (a comparison, not an absolute time). The pipeline
-    # model predicts dynamic ~5% ahead here.
-    dynamic, fixed_best = [ttft], [fixed[best]]
-    for _ in range(2):
-        fixed_best.append((await _long_prompt(long_context_dir, best, dynamic=False))[0])
-        dynamic.append((await _long_prompt(long_context_dir, C, dynamic=True))[0])
+        fixed_engines = {
+            size: await engines.enter_async_context(_engine(long_context_dir, size, dynamic=False))
+            for size in (C // 4, C // 2, C, 2 * C)
+        }
+        fixed = {size: (await _long_prompt(engine))[0] for size, engine in fixed_engines.items()}
+        best = min(fixed, key=lambda s: fixed[s])
+        # Dynamic against the best fixed size, two more times each, alternating: medians of three
+        # from the same run on the same machine (a comparison, not an absolute time). The pipeline
+        # model predicts dynamic ~5% ahead here.
+        dynamic, fixed_best = [ttft], [fixed[best]]
+        for _ in range(2):
+            fixed_best.append((await _long_prompt(fixed_engines[best]))[0])
+            dynamic.append((await _long_prompt(dynamic_engine))[0])
     assert statistics.median(dynamic) < statistics.median(fixed_best), (
         f"dynamic {dynamic} vs fixed {fixed}, {fixed_best}"
     )

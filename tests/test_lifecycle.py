@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,10 @@ from helpers import alive
 
 pytestmark = pytest.mark.slow
 
+StartHost = Callable[[], tuple[subprocess.Popen[str], dict[str, object]]]
+
 HOST = """
-import asyncio, json, os, signal, sys
+import asyncio, json, signal, sys
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
 
@@ -26,17 +30,19 @@ async def main():
         pool = engine._pool
         # The engine leaves process-wide signal handling to the application that embeds it.
         untouched = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-        # This application wants SIGTERM to clean up like Ctrl-C.
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        # This application stops on SIGTERM and on Ctrl-C alike. Its handlers are the loop's: a
+        # signal that lands on another thread (the engine has a few) still wakes the loop, where
+        # a handler of signal.signal would wait for the main thread's next wake-up.
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         info = {"pids": [p.pid for p in pool.procs], "ipc": pool.addresses.ipc_dir, "sigterm_untouched": untouched}
         print(json.dumps(info), flush=True)
-        await asyncio.sleep(3600)
+        await stop.wait()
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    asyncio.run(main())
+    sys.exit(130)
 """
 
 
@@ -47,27 +53,39 @@ def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def _start_host(tmp_path: Path, model_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    script = tmp_path / "host.py"
-    script.write_text(HOST)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(model_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        start_new_session=True,  # its own process group, like a program started from a terminal
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, proc.stderr.read() if proc.stderr else "host printed nothing"
-    info = json.loads(line)
-    return proc, info
+@pytest.fixture
+def start_host(tmp_path: Path, llama_dir: Path) -> Iterator[StartHost]:
+    """Starts the host application; whatever of its process group is left at the end is killed, so
+    that a failing test leaves no host or stage behind."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start() -> tuple[subprocess.Popen[str], dict[str, object]]:
+        script = tmp_path / "host.py"
+        script.write_text(HOST)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(llama_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True,  # its own process group, like a program started from a terminal
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else "host printed nothing"
+        return proc, json.loads(line)
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_shuts_down_cleanly(tmp_path: Path, llama_dir: Path, sig: signal.Signals) -> None:
-    proc, info = _start_host(tmp_path, llama_dir)
+def test_signal_shuts_down_cleanly(start_host: StartHost, sig: signal.Signals) -> None:
+    proc, info = start_host()
     pids = info["pids"]
     assert isinstance(pids, list) and all(alive(p) for p in pids)
     assert info["sigterm_untouched"] is True
@@ -83,8 +101,8 @@ def test_signal_shuts_down_cleanly(tmp_path: Path, llama_dir: Path, sig: signal.
     assert not Path(str(info["ipc"])).exists(), "socket files left behind"
 
 
-def test_stages_exit_when_the_host_is_killed(tmp_path: Path, llama_dir: Path) -> None:
-    proc, info = _start_host(tmp_path, llama_dir)
+def test_stages_exit_when_the_host_is_killed(start_host: StartHost) -> None:
+    proc, info = start_host()
     pids = info["pids"]
     assert isinstance(pids, list)
     os.kill(proc.pid, signal.SIGKILL)
