@@ -23,8 +23,9 @@ using namespace ppserve;
 // into a float32 accumulator whatever M is, so a row's result does not depend on what else is in
 // the batch: a request's tokens come out the same alone and in any micro-batch (the pipeline's
 // split into stages changes the batches, and PP=1 and PP=P stay bitwise equal).
-// Against oneDNN's packed float32 linear (scripts/bench_quant.py, SmolLM2's layers): 0.55x the
-// time at batch 1, 0.9-0.95x at 32 rows, equal at 256, up to 1.1x at 1024 and more.
+// Against oneDNN's packed float32 linear (scripts/bench_quant.py, SmolLM2's layers; runs vary):
+// 0.55-0.8x the time at batch 1, where a step is a pass over the weights, 0.95-1.05x at 32 rows,
+// and 1.0-1.1x at prefill sizes (256-2048 rows).
 constexpr int64_t kFLanes = 32;   // output rows per group: two 16-lane registers
 constexpr int kFRows = 8;         // activation rows per pass over a group's weights
 constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group's weights in cache

@@ -10,9 +10,9 @@ one library, loaded with ctypes.
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
 - Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
   unpacking the bits with torch ops costs a fraction of a millisecond).
-- The float32 GEMM of the linears (engine/model/linear.py): oneDNN's kernels for fewer than 32 rows
-  read the weights at half the memory's speed, and the step of a model at batch 1 is mostly that
-  read; ppserve's reads them at memory speed and keeps up with oneDNN's at prefill sizes.
+- The float32 GEMM of the linears (engine/model/linear.py): a model's step at batch 1 is mostly one
+  read of its weights, which oneDNN's kernels for a few rows do well below the memory's speed;
+  ppserve's reads them at memory speed, and stays within 10% of oneDNN's at prefill sizes.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
   and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
@@ -163,6 +163,7 @@ class FloatGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] float32 -> [rows, out_features]."""
+        assert x.dtype == torch.float32
         x = x.contiguous()
         y = x.new_empty(x.shape[0], self.out_features)
         self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])

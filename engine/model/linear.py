@@ -4,8 +4,8 @@ and on the CPU weights laid out once for the kernel that runs them.
 Decode GEMMs are skinny (a handful to a few hundred rows against thousands of columns). There the
 BLAS call behind `F.linear` is slow; the weight laid out once for a kernel is not:
 - float32: ppserve's own GEMM (engine/model/cpu_gemm.cpp), where the CPU kernel library is built:
-  at batch 1 a step reads every weight once, and this kernel reads them at memory speed, about
-  twice as fast as oneDNN's; from 32 rows on the two are within 10% (scripts/bench_quant.py).
+  at batch 1 a step reads every weight once, and this kernel reads them at memory speed, in
+  0.55-0.8x oneDNN's time; from 32 rows on the two are within 10% (scripts/bench_quant.py).
 - bfloat16 (and float32 without the library): oneDNN with the weights reordered once into its
   blocked layout, 1.3-2x faster than `F.linear` in float32 and 2-4x in bfloat16.
 Fusing q/k/v and gate/up turns five calls per layer into two wider ones.
