@@ -8,7 +8,7 @@ head, for:
   bfloat16 packed for oneDNN), and float32 packed for oneDNN;
 - int8 and int4 in blocks of 32 through engine/model/quantized.py's QuantLinear with a float32
   model's activations, by each of its CPU kernels: ppserve's (int8 activations and integer dot
-  products, engine/model/cpu_kernels.cpp) and torch's (`_weight_int8pack_mm` with one scale per
+  products, engine/model/cpu_gemm.cpp) and torch's (`_weight_int8pack_mm` with one scale per
   row, `_weight_int4pack_mm_for_cpu`; activations converted to bfloat16 and back).
 
     .venv/bin/python scripts/bench_quant.py [--hidden 576 --intermediate 1536 --layers 30 ...]

@@ -83,18 +83,19 @@ def group_of(name: str) -> str:
     return "other ops"
 
 
-def name_in_profiles(gemm: type, name: str) -> None:
-    """Calls of a ctypes GEMM wrapper as an op named `name` while the profiler runs (the check costs
-    a fraction of a microsecond a call; the engine itself does not name them)."""
-    call = gemm.__call__
+def name_in_profiles() -> None:
+    """Calls of ppserve's GEMMs (ctypes, invisible to the profiler) as ops named ppserve::KERNEL while
+    the profiler runs (the check costs a fraction of a microsecond a call; the engine itself does not
+    name them)."""
+    call = cpu_kernels.PackedGemm.__call__
 
-    def named(self: object, x: torch.Tensor) -> torch.Tensor:
+    def named(self: cpu_kernels.PackedGemm, x: torch.Tensor) -> torch.Tensor:
         if not torch.autograd.profiler._is_profiler_enabled:
             return call(self, x)
-        with torch.profiler.record_function(name):
+        with torch.profiler.record_function(f"ppserve::{self.kernel}"):
             return call(self, x)
 
-    gemm.__call__ = named  # type: ignore[method-assign]
+    cpu_kernels.PackedGemm.__call__ = named  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -111,8 +112,7 @@ def main() -> None:
     a = p.parse_args()
     if a.linear_kernel:
         linear.default_kernel = lambda device, dtype: a.linear_kernel
-    name_in_profiles(cpu_kernels.FloatGemm, "ppserve::float_gemm")
-    name_in_profiles(cpu_kernels.QuantGemm, "ppserve::quant_gemm")
+    name_in_profiles()
     torch.set_num_threads(a.threads)
     # Every prompt prefilled once (no cache hits), in one chunk.
     cfg = EngineConfig.create(

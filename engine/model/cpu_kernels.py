@@ -152,22 +152,33 @@ def float_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and available(device, dtype) and hasattr(load(), "float_gemm_f32")
 
 
-class FloatGemm:
-    """y = x @ W.T + bias by ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it."""
+class PackedGemm:
+    """y = x @ W.T + bias by one of the library's GEMMs (cpu_gemm.cpp: `kernel`), for one weight laid
+    out for it; `tensors` are the kernel's weight arguments in order, the bias last. Its pointers are
+    looked up once: a step calls this some hundred times."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
-        self.fn = _kernel("float_gemm", torch.float32)
-        self.out_features = out_features
-        self.tensors = (weight, bias)  # alive as long as their pointers are
-        self.pointers = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+    def __init__(
+        self, kernel: str, dtype: torch.dtype, tensors: tuple[torch.Tensor | None, ...], out_features: int
+    ) -> None:
+        self.kernel, self.dtype, self.out_features = kernel, dtype, out_features
+        self.fn = _kernel(kernel, dtype)
+        self.tensors = tensors  # alive as long as their pointers are
+        self.pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] float32 -> [rows, out_features]."""
-        assert x.dtype == torch.float32
+        """x: [rows, in] of the dtype given -> [rows, out_features]."""
+        assert x.dtype == self.dtype
         x = x.contiguous()
         y = x.new_empty(x.shape[0], self.out_features)
         self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
         return y
+
+
+class FloatGemm(PackedGemm):
+    """ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+        super().__init__("float_gemm", torch.float32, (weight, bias), out_features)
 
 
 def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -175,9 +186,9 @@ def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return available(device, dtype) and hasattr(load(), "quant_gemm_q4_f32")
 
 
-class QuantGemm:
-    """y = x @ W.T + bias by the quantized GEMM, for one weight as engine/model/quantized.py packs it
-    (`mins` for 4 bits only). Its pointers are looked up once: a step calls this some hundred times."""
+class QuantGemm(PackedGemm):
+    """The quantized GEMM, for one weight as engine/model/quantized.py packs it (`mins` for 4 bits
+    only); the input's width must be a multiple of 32."""
 
     def __init__(
         self,
@@ -190,18 +201,7 @@ class QuantGemm:
         dtype: torch.dtype,
     ) -> None:
         assert (mins is not None) == (bits == 4) and (bias is None or bias.dtype == dtype)
-        self.fn = _kernel(f"quant_gemm_q{bits}", dtype)
-        self.dtype, self.out_features = dtype, out_features
-        self.tensors = (weight, scales, mins, bias)  # alive as long as their pointers are
-        self.pointers = tuple(None if t is None else t.data_ptr() for t in self.tensors)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] of the dtype given, in a multiple of 32 -> [rows, out_features]."""
-        assert x.dtype == self.dtype
-        x = x.contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
-        self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
-        return y
+        super().__init__(f"quant_gemm_q{bits}", dtype, (weight, scales, mins, bias), out_features)
 
 
 def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ Two formats, each w = dequantized value of one weight of a [out, in] matrix:
   GGUF's Q4_0 (w = (q - 8) * d) and Q4_1 (w = q * d + m, so zero = m + 8d) map onto it exactly.
 
 Two CPU kernels run them:
-- ppserve's own (engine/model/cpu_kernels.cpp, on CPUs with AVX-512 VNNI): the activations are
+- ppserve's own (engine/model/cpu_gemm.cpp, on CPUs with AVX-512 VNNI): the activations are
   rounded to int8 in blocks of 32, as llama.cpp does for its quantized dot products, and multiplied
   in integers. The weights are repacked for it at load, scales as float16 (the GGUF's own values).
 - torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` elsewhere: bfloat16 activations,
@@ -107,7 +107,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> Q
 
 
 def pack_lanes(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weights, scales, mins) laid out for cpu_kernels.QuantGemm (cpu_kernels.cpp draws the layout):
+    """(weights, scales, mins) laid out for cpu_kernels.QuantGemm (cpu_gemm.cpp draws the layout):
     output rows in groups of 16 (the last padded with zero rows), each group's blocks of 32 inputs
     with the 16 rows' bytes side by side; scales and mins float16 [groups, in / 32, 16]."""
     out, inp = weight.shape
