@@ -4,8 +4,8 @@ On the demo model (or --model), at each PP size: bursts of --requests concurrent
 once with a JSON schema (response_format's json_schema, compiled and cached before the rounds)
 and once without, in alternating rounds. Reports output tokens/s, TTFT p50 and their ratios
 (constrained / unconstrained; targets >= 0.95 and <= 1.10), and, in-process, the grammar's
-compile time (first and cached) and the time to compute one token's mask per request at
---requests streams.
+compile time (first and cached) and the time to compute one token's mask, along the replies the
+model itself gave in the constrained bursts (all --requests streams, each at its own state).
 
     python scripts/bench_structured.py [--model PATH] [--pp 1 2] [--requests 32] [--rounds 7]
     python scripts/bench_structured.py --vllm DIR    # and against vLLM's CPU build
@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_grammar_engines import REPLY, SCHEMA, mask_times  # noqa: E402
+from bench_grammar_engines import SCHEMA  # noqa: E402
 from bench_record import RESULTS, write_result  # noqa: E402
 
 from ppserve.engine.async_engine import AsyncEngine  # noqa: E402
@@ -40,33 +40,39 @@ from ppserve.engine.model.grammar import Grammars, build_grammar  # noqa: E402
 from ppserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from ppserve.server.demo import demo_model  # noqa: E402
 
+Replies = list[list[int]]  # each request's output token ids
 TOPICS = ["a chef", "a pilot", "a poet", "a farmer", "a nurse", "a coder", "a judge", "a singer"]
 
 
 async def burst(
-    engine: AsyncEngine, prompts: list[list[int]], params: list[SamplingParams], counts: list[int] | None = None
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    replies: Replies | None = None,
 ) -> dict[str, float]:
     """All requests at once: output tokens/s over the burst, and the median time to first token.
-    `counts`, if given, gets each request's number of output tokens."""
+    `replies`, if given, gets each request's output token ids."""
     start = time.perf_counter()
     ttft: list[float] = []
 
-    async def one(prompt: list[int], p: SamplingParams) -> int:
-        n = 0
+    async def one(prompt: list[int], p: SamplingParams) -> list[int]:
+        ids: list[int] = []
         async for out in engine.generate(prompt, p):
-            if n == 0 and out.token_ids:
+            if not ids and out.token_ids:
                 ttft.append(time.perf_counter() - start)
-            n += len(out.token_ids)
-        return n
+            ids += out.token_ids
+        return ids
 
     each = await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params, strict=True)))
-    if counts is not None:
-        counts[:] = each
+    if replies is not None:
+        replies[:] = each
     wall = time.perf_counter() - start
-    return {"tokens": sum(each), "tok_s": sum(each) / wall, "ttft_p50_s": statistics.median(ttft)}
+    tokens = sum(len(ids) for ids in each)
+    return {"tokens": tokens, "tok_s": tokens / wall, "ttft_p50_s": statistics.median(ttft)}
 
 
-async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -> dict[str, Any]:
+async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -> tuple[dict[str, Any], Replies]:
+    """One PP size's rounds, and the constrained replies (token ids: seeded, the same every round)."""
     config = EngineConfig.create(model, pp_size=pp)
     async with AsyncEngine(config) as engine:
         tok = engine.tokenizer
@@ -83,10 +89,13 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
         # use), which also says how long each
         # constrained reply is (seeded: the same every round). The unconstrained requests then
         # generate exactly as many tokens, so both kinds of burst do the same work but the masks.
-        counts: list[int] = []
+        replies: Replies = []
         for _ in range(2):  # llguidance builds its lexer's states as they are first met: warm them
-            await burst(engine, prompts, constrained, counts)
-        free = [SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True) for i, n in enumerate(counts)]
+            await burst(engine, prompts, constrained, replies)
+        free = [
+            SamplingParams(max_tokens=len(ids), temperature=0.8, seed=i, ignore_eos=True)
+            for i, ids in enumerate(replies)
+        ]
         rounds: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
         for r in range(args.rounds):
             order = ["unconstrained", "constrained"] if r % 2 == 0 else ["constrained", "unconstrained"]
@@ -101,34 +110,45 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
         "median": med,
         "throughput_ratio": med["constrained"]["tok_s"] / med["unconstrained"]["tok_s"],
         "ttft_ratio": med["constrained"]["ttft_p50_s"] / med["unconstrained"]["ttft_p50_s"],
-    }
+    }, replies
 
 
-def grammar_costs(model: Path, grammar: str, streams: int) -> dict[str, float]:
-    """In-process: compile time (fresh Grammars, then cached) and one token's mask per request at
-    `streams` requests, each matcher walking a schema-valid reply token by token."""
+def grammar_costs(model: Path, grammar: str, replies: Replies) -> dict[str, float]:
+    """In-process: compile time (fresh Grammars, then cached), and what a mask costs along the
+    model's own replies: all of them in step, as the last stage computes them, each mask timed."""
     from ppserve.engine.model.tokenizer import Tokenizer
 
     config = EngineConfig.create(model)  # a GGUF file's tokenizer is in its converted directory
-    tok = Tokenizer(config.model)
-    vocab = config.model_config.vocab_size
-    grammars = Grammars(tok.hf, vocab)
+    grammars = Grammars(Tokenizer(config.model).hf, config.model_config.vocab_size)
     t = time.perf_counter()
     grammars.check(grammar)
     first = time.perf_counter() - t
     t = time.perf_counter()
     grammars.check(grammar)
     cached = time.perf_counter() - t
-    reply = json.dumps(REPLY)
-    ids = tok.encode(reply, add_special_tokens=False)
-    matchers = [grammars.matcher(grammar) for _ in range(streams)]
-
-    def advance(token: int) -> None:
-        for m in matchers:
-            m.consume_token(token)
-
-    times = mask_times(ids, lambda: len(grammars.masks(matchers)), advance)
-    return {"compile_first_ms": first * 1e3, "compile_cached_ms": cached * 1e3, **times}
+    matchers = [grammars.matcher(grammar) for _ in replies]
+    times: list[float] = []  # seconds per mask
+    step_totals: list[float] = []  # seconds of masks per step, over every stream still running
+    for step in range(1, max(map(len, replies))):  # the first mask is the grammar's, cached
+        total = 0.0
+        for m, ids in zip(matchers, replies, strict=True):
+            if step < len(ids):
+                m.consume_token(ids[step - 1])
+                t = time.perf_counter()
+                grammars.masks([m])
+                times.append(time.perf_counter() - t)
+                total += times[-1]
+        step_totals.append(total)
+    q = statistics.quantiles(times, n=100)
+    return {
+        "compile_first_ms": first * 1e3,
+        "compile_cached_ms": cached * 1e3,
+        "mask_us_p50": q[49] * 1e6,
+        "mask_us_p90": q[89] * 1e6,
+        "mask_us_p99": q[98] * 1e6,
+        "mask_us_mean": statistics.mean(times) * 1e6,
+        "masks_ms_per_step_mean": statistics.mean(step_totals) * 1e3,
+    }
 
 
 async def http_burst(
@@ -225,16 +245,16 @@ def main() -> None:
     model = args.model or demo_model()
     grammar = build_grammar("json", SCHEMA)
     report: dict[str, Any] = {"benchmark": "structured outputs", "schema": SCHEMA}
-    report["grammar"] = grammar_costs(model, grammar, args.requests)
-    print(json.dumps(report["grammar"], indent=1))
     report["runs"] = []
     for pp in args.pp:
-        result = asyncio.run(run_pp(model, pp, args, grammar))
+        result, replies = asyncio.run(run_pp(model, pp, args, grammar))
         report["runs"].append(result)
         print(
             f"PP={pp}: constrained/unconstrained throughput {result['throughput_ratio']:.3f}, "
             f"TTFT {result['ttft_ratio']:.3f}  {json.dumps(result['median'])}"
         )
+    report["grammar"] = grammar_costs(model, grammar, replies)
+    print(json.dumps(report["grammar"], indent=1))
     if args.vllm is not None:
         report["http"] = against_vllm(args.vllm, args)
     print(write_result(args.out, report, args))

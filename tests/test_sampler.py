@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -295,3 +296,21 @@ def test_sampling_follows_the_distribution() -> None:
 def test_invalid_sampling_params(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_grammar_thread_idles_only_where_the_stage_leaves_cores_free() -> None:
+    """With fewer compute threads than cores (a stage beside others), the grammar thread runs at
+    idle priority; where the stage's threads take every core it keeps normal priority."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs two cores")
+    threads = torch.get_num_threads()
+    try:
+        for n, policy in ((1, os.SCHED_IDLE), (cores, os.SCHED_OTHER)):
+            torch.set_num_threads(n)
+            sampler = Sampler(8, torch.device("cpu"))
+            assert sampler._grammar_thread().submit(os.sched_getscheduler, 0).result() == policy, n
+            sampler._grammar_thread().shutdown()
+    finally:
+        torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,12 +23,14 @@ from test_pipeline import wait_until
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
-from ppserve.engine.model.grammar import MAX_SPEC_CHARS, build_grammar
-from ppserve.engine.model.sampler import unpack_mask
+from ppserve.engine.model.grammar import MAX_SPEC_CHARS, Grammars, build_grammar
+from ppserve.engine.model.sampler import Sampler, unpack_mask
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.offline import OfflineEngine
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.structured import closed_objects
+from ppserve.transport.messages import NewRequest, SeqChunk, StepPlan, WireSamplingParams
 
 # ---- schemas a small model can always finish: strings, arrays and integers are bounded ------
 
@@ -122,6 +125,87 @@ def test_the_bitmask_kernel_equals_the_torch_unpacking() -> None:
     expected = logits.clone()
     expected[rows] = logits[rows].masked_fill(~unpack_mask(masks, vocab), float("-inf"))
     assert torch.equal(got, expected)
+
+
+def test_finer_slices_give_the_same_masks(smollm2_gguf: Path) -> None:
+    """ppserve's slices (grammar.SLICES) only skip work: along replies that fill strings up to and
+    past their maxLength's last slices, every mask equals one computed with no slices at all."""
+    from llguidance.hf import from_tokenizer
+
+    tok = Tokenizer(EngineConfig.create(smollm2_gguf).model)
+    vocab = len(tok.hf)
+    grammars = Grammars(tok.hf, vocab)
+    hf: Any = tok.hf  # a fast tokenizer, which llguidance's helper wants
+    plain = from_tokenizer(hf, n_vocab=vocab, slices=[])
+    tags = {"type": "array", "items": {"type": "string", "maxLength": 9}}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "tags": tags}}
+    grammar = build_grammar("json", schema)
+    replies = [
+        {"name": "The quick brown fox jumps over the lazy", "tags": ["abcdefgh", "a b c", "x"]},
+        {"name": "Dr. Hélène O'Brien-Smith (retired)", "tags": ["新宿区", "!!??", "123456789"]},
+    ]
+    checked = 0
+    for reply in replies:
+        fast, slow = grammars.matcher(grammar), llguidance.LLMatcher(plain, grammar, log_level=0)
+        text = json.dumps(reply, ensure_ascii=False)
+        for token in [*tok.encode(text, add_special_tokens=False), grammars.eos_token_id]:
+            assert torch.equal(grammars.masks([fast]), _plain_mask(slow, grammars.words)), tok.hf.decode([token])
+            assert fast.consume_token(token) and slow.consume_token(token), fast.get_error()
+            checked += 1
+    assert fast.is_stopped() and checked > 40
+
+
+def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf: Path) -> None:
+    """The last stage starts each plan's masks on its grammar thread (`Sampler.prepare`): one batch
+    per plan, taken whole when sampling, or per row when the plan also announces requests (their
+    grammar's first mask) or reuses an id. Every way, sampling picks what it picks with masks
+    computed only when the logits are there."""
+    tok = Tokenizer(EngineConfig.create(smollm2_gguf).model)
+    vocab = len(tok.hf)
+    grammars = Grammars(tok.hf, vocab)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}}
+    grammar = build_grammar("json", schema)
+    ahead, late = (Sampler(vocab, torch.device("cpu"), lambda: grammars) for _ in range(2))
+    noise = torch.Generator().manual_seed(0)
+    live: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    for step in range(24):
+        new = {0: ["r0", "r1", "r2", "r3"], 6: ["r4", "r5"], 12: ["r1"]}.get(step, [])
+        released = ["r1"] if step == 12 else []
+        live = [r for r in live if r not in released] + new
+        for rid in new:
+            tokens[rid] = []
+        params = [_wire(grammar, seed=i) for i, _ in enumerate(new)]
+        plan = StepPlan(
+            mb_id=step,
+            chunks=[SeqChunk(rid, [1], step, [], sample=True) for rid in live],
+            new_requests=[NewRequest(rid, p) for rid, p in zip(new, params, strict=True)],
+            released=released,
+        )
+        ahead.prepare(plan)
+        logits = torch.randn(len(live), vocab, generator=noise) * 4
+        got, _ = last_stage_outputs(ahead, plan, logits.clone())
+        expected, _ = last_stage_outputs(late, plan, logits)
+        assert got == expected, step
+        for s in got:
+            tokens[s.request_id].append(s.token_id)
+    assert not ahead._prepared  # every started mask was taken
+    for rid, ids in tokens.items():  # and every token kept to the grammar
+        matcher = grammars.matcher(grammar)
+        assert all(matcher.consume_token(t) for t in ids if not matcher.is_stopped()), (rid, tok.decode(ids))
+
+
+def _wire(grammar: str, seed: int) -> WireSamplingParams:
+    return WireSamplingParams(
+        temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+        seed=seed, logprobs=None, grammar=grammar,
+    )  # fmt: skip
+
+
+def _plain_mask(matcher: llguidance.LLMatcher, words: int) -> torch.Tensor:
+    out = torch.empty(1, words, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(out.data_ptr(), words * 4)
+    return out
 
 
 def test_logit_bias_is_checked_and_sorted() -> None:

@@ -261,7 +261,8 @@ void rope_write_kv(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, i
 
 // Constrained decoding (engine/model/sampler.py): row rows[i] of logits [*, stride] float32 gets -inf
 // wherever bit t % 32 of word t / 32 of masks[i] (llguidance's token bitmask, [n, words] int32) is
-// clear. Mostly whole words are allowed or forbidden, so a word of ones costs one compare.
+// clear. Mostly whole words are allowed or forbidden: a word of ones costs one compare, and a mixed
+// word is a branch-free select that the compiler vectorises (a branch per bit mispredicts).
 void apply_token_bitmask(float* logits, int64_t stride, const int32_t* masks, int64_t words, const int64_t* rows,
                          int64_t n, int64_t vocab) {
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -271,9 +272,13 @@ void apply_token_bitmask(float* logits, int64_t stride, const int32_t* masks, in
     for (int64_t w = 0; w < words; w++) {
       const uint32_t allowed = mask[w];
       if (allowed == 0xFFFFFFFFu) continue;
-      const int64_t base = w * 32, end = std::min<int64_t>(32, vocab - base);
-      for (int64_t b = 0; b < end; b++)
-        if (!((allowed >> b) & 1u)) row[base + b] = ninf;
+      float* out = row + w * 32;
+      if (vocab - w * 32 < 32) {  // the last word, partly past the vocabulary
+        for (int64_t b = 0; b < vocab - w * 32; b++)
+          if (!((allowed >> b) & 1u)) out[b] = ninf;
+        continue;
+      }
+      for (int b = 0; b < 32; b++) out[b] = (allowed >> b) & 1u ? out[b] : ninf;
     }
   }
 }

@@ -24,6 +24,7 @@ sampler's history (a replaced last stage carries on exactly).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -189,6 +190,24 @@ def _step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _can_idle() -> bool:
+    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_getaffinity")
+
+
+def _idle_priority() -> None:
+    """The calling thread runs only when its core would otherwise idle (Linux's SCHED_IDLE). A
+    mask is never starved by it: a compute thread that waits for one leaves its core idle."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as e:  # a sandbox may refuse it: the thread then keeps normal priority
+        log.debug("the grammar thread keeps normal priority: %s", e)
+
+
+# A mask `prepare` started: (the request's state then, or for a first mask its grammar; the
+# state's step then; the future; the mask's row in the future's result, -1 for a first mask).
+_Prepared = tuple["_RequestState | str", int, Future[torch.Tensor], int]
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, grammars: Callable[[], Grammars] | None = None) -> None:
         """`grammars`: makes the model's Grammars (loading its tokenizer) when the first request
@@ -206,7 +225,7 @@ class Sampler:
         self._making = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # grammar work: compiling, masks
         # Masks started by `prepare`: request id -> (its state and step then, the future's row).
-        self._prepared: dict[str, tuple[_RequestState | str, int, Future[torch.Tensor], int]] = {}
+        self._prepared: dict[str, _Prepared] = {}
 
     @property
     def grammars(self) -> Grammars:
@@ -220,7 +239,12 @@ class Sampler:
 
     def _grammar_thread(self) -> ThreadPoolExecutor:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            # Where this stage's OpenMP team leaves cores to others (PP > 1 on one machine), the
+            # masks run at idle priority, on the cycles no stage wants; at normal priority they
+            # took CPU from the last stage, the pipeline's bottleneck (docs/structured-outputs.md).
+            idle = _can_idle() and torch.get_num_threads() < len(os.sched_getaffinity(0))
+            init = _idle_priority if idle else None
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=init)
         return self._thread
 
     def _first_mask(self, grammar: str) -> torch.Tensor:
@@ -369,7 +393,7 @@ class Sampler:
             ids, values = states[i].bias  # type: ignore[misc]
             logits[i].index_add_(0, ids, values)
         if constrained:
-            masks = torch.stack([self._mask(request_ids[i], states[i]) for i in constrained])  # [rows, words]
+            masks = self._step_masks(request_ids, states, constrained)  # [rows, words]
             # A grammar in an error state allows nothing: end the output rather than sample noise.
             empty = (masks == 0).all(dim=1)
             if empty.any():
@@ -384,10 +408,24 @@ class Sampler:
                 logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
-    def _mask(self, request_id: str, state: _RequestState) -> torch.Tensor:
-        """The request's next-token bitmask [words] int32: the one `prepare` started if it still
+    def _step_masks(self, request_ids: Sequence[str], states: Sequence[_RequestState], rows: list[int]) -> torch.Tensor:
+        """The next-token bitmasks [len(rows), words] int32 of these rows. In the common decode step
+        `prepare` started every one of them in one batch, in this order: that batch is the answer
+        as it is (gathering 32 rows one by one costs a few hundred microseconds a step)."""
+        prepared = [self._prepared.pop(request_ids[i], None) for i in rows]
+        batch = prepared[0][2] if prepared[0] is not None else None
+        if batch is not None and all(
+            p is not None and p[2] is batch and p[3] == j and p[0] is states[i] and p[1] == states[i].step
+            for j, (i, p) in enumerate(zip(rows, prepared, strict=True))
+        ):
+            masks = batch.result()
+            if masks.shape[0] == len(rows):
+                return masks
+        return torch.stack([self._mask(p, states[i]) for i, p in zip(rows, prepared, strict=True)])
+
+    def _mask(self, prepared: _Prepared | None, state: _RequestState) -> torch.Tensor:
+        """A request's next-token bitmask [words] int32: the one `prepare` started if it still
         belongs to this state at this step, else computed now."""
-        prepared = self._prepared.pop(request_id, None)
         if prepared is not None:
             owner, step, future, row = prepared
             mask = future.result()
