@@ -50,9 +50,10 @@ async def burst(
     params: list[SamplingParams],
     replies: Replies | None = None,
 ) -> dict[str, float]:
-    """All requests at once: output tokens/s over the burst, and the median time to first token.
-    `replies`, if given, gets each request's output token ids."""
-    start = time.perf_counter()
+    """All requests at once: output tokens/s over the burst, the median time to first token, and
+    the last stage's median decode step (its layers and sampling: the pipeline's bottleneck, and
+    where the masks cost). `replies`, if given, gets each request's output token ids."""
+    start, wall_start = time.perf_counter(), time.time()
     ttft: list[float] = []
 
     async def one(prompt: list[int], p: SamplingParams) -> list[int]:
@@ -68,7 +69,14 @@ async def burst(
         replies[:] = each
     wall = time.perf_counter() - start
     tokens = sum(len(ids) for ids in each)
-    return {"tokens": tokens, "tok_s": tokens / wall, "ttft_p50_s": statistics.median(ttft)}
+    last = engine.config.pp_size - 1
+    steps = [i.end - i.start for i in engine.timeline.since(wall_start) if i.stage == last and i.kind == "decode"]
+    return {
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "last_stage_decode_ms": statistics.median(steps) * 1e3,
+    }
 
 
 async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -> tuple[dict[str, Any], Replies]:
@@ -101,15 +109,16 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
             order = ["unconstrained", "constrained"] if r % 2 == 0 else ["constrained", "unconstrained"]
             for kind in order:
                 rounds[kind].append(await burst(engine, prompts, free if kind == "unconstrained" else constrained))
-    med = {
-        k: {m: statistics.median(x[m] for x in v) for m in ("tok_s", "ttft_p50_s", "tokens")} for k, v in rounds.items()
-    }
+    metrics = ("tok_s", "ttft_p50_s", "tokens", "last_stage_decode_ms")
+    med = {k: {m: statistics.median(x[m] for x in v) for m in metrics} for k, v in rounds.items()}
+    c, u = med["constrained"], med["unconstrained"]
     return {
         "pp": pp,
         "rounds": rounds,
         "median": med,
-        "throughput_ratio": med["constrained"]["tok_s"] / med["unconstrained"]["tok_s"],
-        "ttft_ratio": med["constrained"]["ttft_p50_s"] / med["unconstrained"]["ttft_p50_s"],
+        "throughput_ratio": c["tok_s"] / u["tok_s"],
+        "ttft_ratio": c["ttft_p50_s"] / u["ttft_p50_s"],
+        "last_stage_decode_ratio": c["last_stage_decode_ms"] / u["last_stage_decode_ms"],
     }, replies
 
 
@@ -251,6 +260,7 @@ def main() -> None:
         report["runs"].append(result)
         print(
             f"PP={pp}: constrained/unconstrained throughput {result['throughput_ratio']:.3f}, "
+            f"last stage's decode step {result['last_stage_decode_ratio']:.3f}, "
             f"TTFT {result['ttft_ratio']:.3f}  {json.dumps(result['median'])}"
         )
     report["grammar"] = grammar_costs(model, grammar, replies)

@@ -24,20 +24,26 @@ def table_structured(r: Sequence[Result]) -> list[str]:
         return float(m["constrained"][key] / m["unconstrained"][key])
 
     ratios = [(ratio(m, "tok_s"), ratio(m, "ttft_p50_s")) for _, m in columns]
+    steps = [
+        num(ratio(m, "last_stage_decode_ms"), 3) if "last_stage_decode_ms" in m["constrained"] else ""
+        for _, m in columns
+    ]
     rows = [
         ["output tokens/s, unconstrained", *(num(m["unconstrained"]["tok_s"], 0) for _, m in columns)],
         ["output tokens/s, JSON schema", *(num(m["constrained"]["tok_s"], 0) for _, m in columns)],
         ["ratio (target >= 0.95)", *(bold(num(t, 3), t >= 0.95) for t, _ in ratios)],
         ["TTFT p50 ratio (target <= 1.10)", *(bold(num(f, 3), f <= 1.10) for _, f in ratios)],
+        ["last stage's decode step, median, ratio", *steps],
     ]
     g = d["grammar"]
     lines = markdown(["", *(name for name, _ in columns)], rows)
     lines += [
         "",
         f"The schema compiled in {num(g['compile_first_ms'], 2)} ms the first time, "
-        f"{num(g['compile_cached_ms'] * 1000, 0)} µs from the cache; a mask took "
-        f"{num(g['mask_us_p50'], 1)} µs per request (p50, {num(g['mask_us_max'], 0)} µs at most) at "
-        f"{d['settings']['requests']} streams.",
+        f"{num(g['compile_cached_ms'] * 1000, 0)} µs from the cache. Along the model's own replies a mask "
+        f"took {num(g['mask_us_p50'], 1)} µs at the median, {num(g['mask_us_p90'], 0)} µs at p90 and "
+        f"{num(g['mask_us_p99'], 0)} µs at p99 (mean {num(g['mask_us_mean'], 1)} µs): "
+        f"{num(g['masks_ms_per_step_mean'], 2)} ms of masks per step at {d['settings']['requests']} streams.",
     ]
     return lines
 
