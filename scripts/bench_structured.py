@@ -75,7 +75,7 @@ async def burst(
         "tokens": tokens,
         "tok_s": tokens / wall,
         "ttft_p50_s": statistics.median(ttft),
-        "last_stage_decode_ms": statistics.median(steps) * 1e3,
+        "last_stage_decode_ms": statistics.median(steps) * 1e3 if steps else float("nan"),  # none: 1-token replies
     }
 
 
@@ -124,7 +124,8 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
 
 def grammar_costs(model: Path, grammar: str, replies: Replies) -> dict[str, float]:
     """In-process: compile time (fresh Grammars, then cached), and what a mask costs along the
-    model's own replies: all of them in step, as the last stage computes them, each mask timed."""
+    model's own replies (the last PP size's run; seeded, so the same at every size): all of them
+    in step, as the last stage computes them, each mask timed."""
     from ppserve.engine.model.tokenizer import Tokenizer
 
     config = EngineConfig.create(model)  # a GGUF file's tokenizer is in its converted directory

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import string
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -155,23 +156,27 @@ def test_finer_slices_give_the_same_masks(smollm2_gguf: Path) -> None:
     assert fast.is_stopped() and checked > 40
 
 
-def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf: Path) -> None:
-    """The last stage starts each plan's masks on its grammar thread (`Sampler.prepare`): one batch
-    per plan, taken whole when sampling, or per row when the plan also announces requests (their
-    grammar's first mask) or reuses an id. Every way, sampling picks what it picks with masks
-    computed only when the logits are there."""
+@pytest.mark.parametrize("grammar_thread", ["ahead", "held back"])
+def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf: Path, grammar_thread: str) -> None:
+    """The last stage starts each plan's masks on its grammar thread (`Sampler.prepare`). When
+    sampling comes, a plan's batch is taken whole (per row in a plan that also announces requests,
+    whose first mask is their grammar's); masks the thread has not started ("held back": it is
+    busy) are cancelled there and computed then. Every way, sampling picks what it picks with
+    masks computed only when the logits are there."""
     tok = Tokenizer(EngineConfig.create(smollm2_gguf).model)
     vocab = len(tok.hf)
     grammars = Grammars(tok.hf, vocab)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}}
     grammar = build_grammar("json", schema)
     ahead, late = (Sampler(vocab, torch.device("cpu"), lambda: grammars) for _ in range(2))
+    per_row: list[int] = []  # steps whose masks were gathered (or computed) row by row
+    ahead._mask = lambda p, s: per_row.append(step) or Sampler._mask(ahead, p, s)  # type: ignore[method-assign]
     noise = torch.Generator().manual_seed(0)
     live: list[str] = []
     tokens: dict[str, list[int]] = {}
     for step in range(24):
         new = {0: ["r0", "r1", "r2", "r3"], 6: ["r4", "r5"], 12: ["r1"]}.get(step, [])
-        released = ["r1"] if step == 12 else []
+        released = ["r1"] if step == 12 else []  # and announced again: an id reused
         live = [r for r in live if r not in released] + new
         for rid in new:
             tokens[rid] = []
@@ -182,14 +187,24 @@ def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf:
             new_requests=[NewRequest(rid, p) for rid, p in zip(new, params, strict=True)],
             released=released,
         )
+        gate = threading.Event()
+        if grammar_thread == "held back":
+            ahead._grammar_thread().submit(gate.wait)
         ahead.prepare(plan)
+        if grammar_thread == "ahead":
+            for p in ahead._prepared.values():
+                p[2].result()
+        batches = {id(p[2]): p[2] for p in ahead._prepared.values() if p[3] >= 0}.values()  # not first masks
         logits = torch.randn(len(live), vocab, generator=noise) * 4
         got, _ = last_stage_outputs(ahead, plan, logits.clone())
         expected, _ = last_stage_outputs(late, plan, logits)
+        gate.set()
         assert got == expected, step
+        assert all(f.cancelled() == (grammar_thread == "held back") for f in batches), step
         for s in got:
             tokens[s.request_id].append(s.token_id)
-    assert not ahead._prepared  # every started mask was taken
+    assert not ahead._prepared  # every started mask was taken or cancelled
+    assert sorted(set(per_row)) == [0, 6, 12]  # the steps that announce requests; the others took batches
     for rid, ids in tokens.items():  # and every token kept to the grammar
         matcher = grammars.matcher(grammar)
         assert all(matcher.consume_token(t) for t in ids if not matcher.is_stopped()), (rid, tok.decode(ids))

@@ -47,13 +47,13 @@ _LIMITS: dict[str, Any] = dict(
     initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=500_000
 )
 # llguidance's slicer: the vocabulary is split into slices by these regexes (a token goes to the
-# first that matches it whole), and where the grammar allows every string of a slice, the mask
+# smallest that matches it whole), and where the grammar allows every string of a slice, the mask
 # takes the slice whole instead of walking its tokens. Its default slices are plain string
 # characters of lengths 1-10, 1-30 and any. Inside a string with a maxLength, fewer than 10 (or 30)
 # characters may be left, and then most of the vocabulary is walked token by token: those states
 # cost 100-500 us a mask. Finer lengths near the end keep them sliced, and halve the mean mask on
-# the benchmark's schema (scripts/bench_structured.py); compiling a grammar costs about 10 ms more
-# (once per grammar, cached). The masks are the same either way: slices only skip work.
+# the benchmark's schema (scripts/bench_structured.py). Building the tokenizer's slices takes
+# up to about 0.15 s more, once per model. The masks are the same either way: slices only skip work.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a character a JSON string may hold unescaped
 SLICES = [r"[\x20\x0A\x0D\x09]+"]  # whitespace
 SLICES += [f"{_STRING_CHAR}{{1,{n}}}" for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 30)] + [f"{_STRING_CHAR}+"]

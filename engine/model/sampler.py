@@ -195,8 +195,9 @@ def _can_idle() -> bool:
 
 
 def _idle_priority() -> None:
-    """The calling thread runs only when its core would otherwise idle (Linux's SCHED_IDLE). A
-    mask is never starved by it: a compute thread that waits for one leaves its core idle."""
+    """The calling thread runs only when a core would otherwise idle (Linux's SCHED_IDLE).
+    Sampling does not wait on it for masks it has not started (`_wait_for`); one it has started
+    is delayed at most until a core frees, as the waiting compute thread's own does."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except OSError as e:  # a sandbox may refuse it: the thread then keeps normal priority
@@ -223,6 +224,7 @@ class Sampler:
         self._scratch: dict[str, torch.Tensor] = {}
         self._grammars: Grammars | None = None
         self._making = threading.Lock()
+        self._starting = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None  # grammar work: compiling, masks
         # Masks started by `prepare`: request id -> (its state and step then, the future's row).
         self._prepared: dict[str, _Prepared] = {}
@@ -238,14 +240,19 @@ class Sampler:
         return self._grammars
 
     def _grammar_thread(self) -> ThreadPoolExecutor:
-        if self._thread is None:
-            # Where this stage's OpenMP team leaves cores to others (PP > 1 on one machine), the
-            # masks run at idle priority, on the cycles no stage wants; at normal priority they
-            # took CPU from the last stage, the pipeline's bottleneck (docs/structured-outputs.md).
-            idle = _can_idle() and torch.get_num_threads() < len(os.sched_getaffinity(0))
-            init = _idle_priority if idle else None
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=init)
+        with self._starting:  # `prepare` (the stage's loop) and `add_request` (its compute thread)
+            if self._thread is None:
+                self._thread = self._start_grammar_thread()
         return self._thread
+
+    def _start_grammar_thread(self) -> ThreadPoolExecutor:
+        # Where this stage's compute threads are fewer than the cores it may use (several unpinned
+        # stages on one machine), the masks run at idle priority, on cycles no stage wants; at
+        # normal priority they took CPU from the last stage, the pipeline's bottleneck
+        # (docs/structured-outputs.md).
+        idle = _can_idle() and torch.get_num_threads() < len(os.sched_getaffinity(0))
+        init = _idle_priority if idle else None
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=init)
 
     def _first_mask(self, grammar: str) -> torch.Tensor:
         return self.grammars.first_mask(grammar)
@@ -418,6 +425,8 @@ class Sampler:
             p is not None and p[2] is batch and p[3] == j and p[0] is states[i] and p[1] == states[i].step
             for j, (i, p) in enumerate(zip(rows, prepared, strict=True))
         ):
+            if not _wait_for(batch):
+                return self.grammars.masks([states[i].matcher for i in rows])  # type: ignore[misc]
             masks = batch.result()
             if masks.shape[0] == len(rows):
                 return masks
@@ -428,13 +437,22 @@ class Sampler:
         belongs to this state at this step, else computed now."""
         if prepared is not None:
             owner, step, future, row = prepared
-            mask = future.result()
-            if row < 0 and state.step == 0 and owner == state.params.grammar:
-                return mask  # the grammar's first mask
-            if owner is state and step == state.step:
-                return mask[row]
+            if row < 0:
+                if state.step == 0 and owner == state.params.grammar:  # the grammar's first mask:
+                    # cached since `add_request` compiled the grammar, whether or not `future` ran
+                    return future.result() if future.done() else self.grammars.first_mask(owner)
+            elif owner is state and step == state.step and _wait_for(future):
+                return future.result()[row]
         assert state.matcher is not None
         return self.grammars.masks([state.matcher])[0]
+
+
+def _wait_for(future: Future[torch.Tensor]) -> bool:
+    """Whether sampling should wait for masks the grammar thread was given: yes once it has
+    started them (or finished). Masks it has not started are cancelled there (False), and the
+    compute thread computes them itself: at idle priority the grammar thread may have had no CPU
+    yet, and waiting would add a hand-over to computing them anyway."""
+    return not future.cancel()
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
