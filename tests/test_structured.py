@@ -157,7 +157,9 @@ def test_finer_slices_give_the_same_masks(smollm2_gguf: Path) -> None:
 
 
 @pytest.mark.parametrize("grammar_thread", ["ahead", "held back"])
-def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf: Path, grammar_thread: str) -> None:
+def test_masks_started_ahead_steer_sampling_as_masks_computed_late(
+    smollm2_gguf: Path, grammar_thread: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The last stage starts each plan's masks on its grammar thread (`Sampler.prepare`). When
     sampling comes, a plan's batch is taken whole (per row in a plan that also announces requests,
     whose first mask is their grammar's); masks the thread has not started ("held back": it is
@@ -170,7 +172,13 @@ def test_masks_started_ahead_steer_sampling_as_masks_computed_late(smollm2_gguf:
     grammar = build_grammar("json", schema)
     ahead, late = (Sampler(vocab, torch.device("cpu"), lambda: grammars) for _ in range(2))
     per_row: list[int] = []  # steps whose masks were gathered (or computed) row by row
-    ahead._mask = lambda p, s: per_row.append(step) or Sampler._mask(ahead, p, s)  # type: ignore[method-assign]
+    gather = ahead._mask
+
+    def counted(prepared: Any, state: Any) -> torch.Tensor:
+        per_row.append(step)
+        return gather(prepared, state)
+
+    monkeypatch.setattr(ahead, "_mask", counted)
     noise = torch.Generator().manual_seed(0)
     live: list[str] = []
     tokens: dict[str, list[int]] = {}
