@@ -24,7 +24,6 @@ sampler's history (a replaced last stage carries on exactly).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model.grammar_thread import start_grammar_thread, wait_for
 from ppserve.scheduler.sampling_params import GREEDY_BELOW
 from ppserve.transport.messages import StepPlan
 
@@ -190,20 +190,6 @@ def _step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def _can_idle() -> bool:
-    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_getaffinity")
-
-
-def _idle_priority() -> None:
-    """The calling thread runs only when a core would otherwise idle (Linux's SCHED_IDLE).
-    Sampling does not wait on it for masks it has not started (`_wait_for`); one it has started
-    is delayed at most until a core frees, as the waiting compute thread's own does."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError as e:  # a sandbox may refuse it: the thread then keeps normal priority
-        log.debug("the grammar thread keeps normal priority: %s", e)
-
-
 # A mask `prepare` started: (the request's state then, or for a first mask its grammar; the
 # state's step then; the future; the mask's row in the future's result, -1 for a first mask).
 _Prepared = tuple["_RequestState | str", int, Future[torch.Tensor], int]
@@ -242,17 +228,8 @@ class Sampler:
     def _grammar_thread(self) -> ThreadPoolExecutor:
         with self._starting:  # `prepare` (the stage's loop) and `add_request` (its compute thread)
             if self._thread is None:
-                self._thread = self._start_grammar_thread()
+                self._thread = start_grammar_thread()
         return self._thread
-
-    def _start_grammar_thread(self) -> ThreadPoolExecutor:
-        # Where this stage's compute threads are fewer than the cores it may use (several unpinned
-        # stages on one machine), the masks run at idle priority, on cycles no stage wants; at
-        # normal priority they took CPU from the last stage, the pipeline's bottleneck
-        # (docs/structured-outputs.md).
-        idle = _can_idle() and torch.get_num_threads() < len(os.sched_getaffinity(0))
-        init = _idle_priority if idle else None
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar", initializer=init)
 
     def _first_mask(self, grammar: str) -> torch.Tensor:
         return self.grammars.first_mask(grammar)
@@ -425,7 +402,7 @@ class Sampler:
             p is not None and p[2] is batch and p[3] == j and p[0] is states[i] and p[1] == states[i].step
             for j, (i, p) in enumerate(zip(rows, prepared, strict=True))
         ):
-            if not _wait_for(batch):
+            if not wait_for(batch):
                 return self.grammars.masks([states[i].matcher for i in rows])  # type: ignore[misc]
             masks = batch.result()
             if masks.shape[0] == len(rows):
@@ -441,18 +418,10 @@ class Sampler:
                 if state.step == 0 and owner == state.params.grammar:  # the grammar's first mask:
                     # cached since `add_request` compiled the grammar, whether or not `future` ran
                     return future.result() if future.done() else self.grammars.first_mask(owner)
-            elif owner is state and step == state.step and _wait_for(future):
+            elif owner is state and step == state.step and wait_for(future):
                 return future.result()[row]
         assert state.matcher is not None
         return self.grammars.masks([state.matcher])[0]
-
-
-def _wait_for(future: Future[torch.Tensor]) -> bool:
-    """Whether sampling should wait for masks the grammar thread was given: yes once it has
-    started them (or finished). Masks it has not started are cancelled there (False), and the
-    compute thread computes them itself: at idle priority the grammar thread may have had no CPU
-    yet, and waiting would add a hand-over to computing them anyway."""
-    return not future.cancel()
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
