@@ -2,7 +2,7 @@
 
 Ray nodes on one machine normally share an address and fight over ports; in namespaces each node
 has its own address (198.18.0.<i+1>) and network stack, as on separate hosts, so cutting a link or
-killing one node's raylet looks to Ray like losing a machine. Kept small for a 2-core machine: one
+killing one node's processes looks to Ray like losing a machine. Kept small for a 2-core machine: one
 CPU and the smallest object store Ray accepts per node, no dashboard, autoscaler monitor or log
 monitor, and a GCS health check that declares a node dead in 2-3 s instead of about 16 s.
 All Ray processes share the machine's PID namespace, so `ray stop` would end every Ray cluster on
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from netns import Cluster
@@ -131,36 +131,40 @@ class RayCluster:
         out = subprocess.run(["ip", "netns", "pids", self.net.nodes[node]], capture_output=True, text=True, timeout=10)
         return [int(pid) for pid in out.stdout.split()]
 
-    def kill_raylet(self, node: int) -> int:
-        """SIGKILL node `node`'s raylet only (its workers and agents then exit on their own)."""
-        for pid in self.pids(node):
-            if _argv0(pid).endswith("/raylet"):
-                os.kill(pid, signal.SIGKILL)
-                return pid
-        raise AssertionError(f"no raylet on node {node}")
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process of node `node` (its raylet, workers and agents), as when its
+        machine goes. Killing the raylet alone is not enough here: its workers leave when they see
+        it gone, but a SIGKILLed raylet stays a zombie where PID 1 reaps no orphans (as on this
+        machine), so a stage's actor kept serving until the GCS declared the node dead, and a
+        short request could finish first."""
+        self._kill([node])
 
     def stop(self) -> None:
-        """End every process in this cluster's namespaces and remove what Ray left on disk.
+        """End every process in this cluster's namespaces and remove what Ray left on disk."""
+        self._kill(set(self.started))
+        shutil.rmtree(self.root, ignore_errors=True)
 
-        SIGKILL at once: on SIGTERM a raylet takes about 10 s to go and the GCS over 15 s, and
-        nothing needs their goodbyes (plasma unlinks its /dev/shm file as soon as it maps it)."""
-        shm = self._shm_files()
+    def _kill(self, nodes: Iterable[int]) -> None:
+        """SIGKILL every process of `nodes` and unlink the /dev/shm files they held. SIGKILL at
+        once: on SIGTERM a raylet takes about 10 s to go and the GCS over 15 s, and nothing needs
+        their goodbyes (plasma unlinks its /dev/shm file as soon as it maps it)."""
+        nodes = list(nodes)
+        shm = self._shm_files(nodes)
         deadline = time.monotonic() + STOP_S
-        while pids := [pid for node in set(self.started) for pid in self.pids(node)]:
+        while pids := [pid for node in nodes for pid in self.pids(node)]:
             assert time.monotonic() < deadline, f"Ray processes survive SIGKILL: {pids}"
             for pid in pids:  # again each round: a raylet may have forked a worker meanwhile
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
-        shutil.rmtree(self.root, ignore_errors=True)
         for path in shm:
             path.unlink(missing_ok=True)
 
-    def _shm_files(self) -> set[Path]:
+    def _shm_files(self, nodes: Iterable[int]) -> set[Path]:
         """Named /dev/shm files mapped by this cluster's processes: none of Ray's own (plasma unlinks
         its file once mapped), but a worker's shared memory (torch, multiprocessing) outlives SIGKILL."""
         found: set[Path] = set()
-        for pid in [pid for node in set(self.started) for pid in self.pids(node)]:
+        for pid in [pid for node in nodes for pid in self.pids(node)]:
             with contextlib.suppress(OSError):
                 for fields in (line.split(maxsplit=5) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()):
                     if len(fields) == 6 and fields[5].startswith(f"{SHM}/") and not fields[5].endswith(" (deleted)"):
@@ -177,10 +181,3 @@ class RayCluster:
 def env() -> dict[str, str]:
     """The environment for this cluster's Ray processes, and for drivers connecting to it."""
     return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **ENV}
-
-
-def _argv0(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
-        return ""

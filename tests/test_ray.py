@@ -223,7 +223,7 @@ def test_strict_spread_pp3_gives_the_tokens_of_one_process_and_heals_onto_the_sp
         _wait_tokens(client, 2 * STREAMS)
         lost = nodes[2] if nodes[2] != 0 else nodes[1]  # not the head: the GCS lives there
         killed_at = time.monotonic()
-        ray.kill_raylet(lost)
+        ray.kill_node(lost)
         served.host.wait_for("serving again")
         healed_s = time.monotonic() - killed_at
         assert client.wait() == 0, client.output
@@ -244,7 +244,7 @@ def test_with_no_room_requests_fail_by_name_until_a_node_joins(
         _wait_tokens(client, 2 * STREAMS)
         nodes = _stage_nodes(next(e["health"] for e in _events(client) if "health" in e)[1])
         lost = nodes[2] if nodes[2] != 0 else nodes[1]
-        ray.kill_raylet(lost)
+        ray.kill_node(lost)
         assert client.wait() == 0, client.output
         errors = [v for v in _finals(client).values() if isinstance(v, str)]
         assert len(errors) == STREAMS, client.output
