@@ -3,7 +3,10 @@
 On the demo model (or --model), at each PP size: bursts of --requests concurrent chat requests,
 once with a JSON schema (response_format's json_schema, compiled and cached before the rounds)
 and once without, in alternating rounds. Reports output tokens/s, TTFT p50 and their ratios
-(constrained / unconstrained; targets >= 0.95 and <= 1.10), and, in-process, the grammar's
+(constrained / unconstrained; targets >= 0.95 and <= 1.10), the throughput ratio of each round's
+two bursts (their median: the machine's speed drifts between rounds), the CPU time per output
+token of every process (the work a schema adds, which other tenants of the machine do not
+inflate), and, in-process, the grammar's
 compile time (first and cached) and the time to compute one token's mask, along the replies the
 model itself gave in the constrained bursts (all --requests streams, each at its own state).
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -53,7 +58,7 @@ async def burst(
     """All requests at once: output tokens/s over the burst, the median time to first token, and
     the last stage's median decode step (its layers and sampling: the pipeline's bottleneck, and
     where the masks cost). `replies`, if given, gets each request's output token ids."""
-    start, wall_start = time.perf_counter(), time.time()
+    start, wall_start, cpu_start = time.perf_counter(), time.time(), cpu_seconds()
     ttft: list[float] = []
 
     async def one(prompt: list[int], p: SamplingParams) -> list[int]:
@@ -67,7 +72,7 @@ async def burst(
     each = await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params, strict=True)))
     if replies is not None:
         replies[:] = each
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     tokens = sum(len(ids) for ids in each)
     last = engine.config.pp_size - 1
     steps = [i.end - i.start for i in engine.timeline.since(wall_start) if i.stage == last and i.kind == "decode"]
@@ -75,8 +80,24 @@ async def burst(
         "tokens": tokens,
         "tok_s": tokens / wall,
         "ttft_p50_s": statistics.median(ttft),
+        "cpu_ms_per_token": cpu * 1e3 / tokens,
         "last_stage_decode_ms": statistics.median(steps) * 1e3 if steps else float("nan"),  # none: 1-token replies
     }
+
+
+def cpu_seconds() -> float:
+    """CPU time (user and system) of this process and every process below it (the stages): the
+    work a burst costs, which, unlike its wall time, the machine's other tenants do not inflate."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(OSError):  # (a process that ended meanwhile)
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return total
 
 
 async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -> tuple[dict[str, Any], Replies]:
@@ -109,14 +130,19 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
             order = ["unconstrained", "constrained"] if r % 2 == 0 else ["constrained", "unconstrained"]
             for kind in order:
                 rounds[kind].append(await burst(engine, prompts, free if kind == "unconstrained" else constrained))
-    metrics = ("tok_s", "ttft_p50_s", "tokens", "last_stage_decode_ms")
+    metrics = ("tok_s", "ttft_p50_s", "tokens", "cpu_ms_per_token", "last_stage_decode_ms")
     med = {k: {m: statistics.median(x[m] for x in v) for m in metrics} for k, v in rounds.items()}
     c, u = med["constrained"], med["unconstrained"]
+    pairs = zip(rounds["constrained"], rounds["unconstrained"], strict=True)
     return {
         "pp": pp,
         "rounds": rounds,
         "median": med,
         "throughput_ratio": c["tok_s"] / u["tok_s"],
+        # Each round's constrained burst against the unconstrained one next to it: the machine's
+        # speed drifts between rounds (by 20% and more) far more than within one.
+        "paired_throughput_ratio": statistics.median(a["tok_s"] / b["tok_s"] for a, b in pairs),
+        "cpu_per_token_ratio": c["cpu_ms_per_token"] / u["cpu_ms_per_token"],
         "ttft_ratio": c["ttft_p50_s"] / u["ttft_p50_s"],
         "last_stage_decode_ratio": c["last_stage_decode_ms"] / u["last_stage_decode_ms"],
     }, replies
@@ -226,7 +252,7 @@ def against_vllm(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                     burst_ = http_burst(server.url, prompts, schema, None if schema else counts, args.max_tokens)
                     rounds[kind].append(asyncio.run(burst_))
         med = {k: {m: statistics.median(x[m] for x in v) for m in ("tok_s", "ttft_p50_s")} for k, v in rounds.items()}
-        out[name] = {"rounds": rounds, "median": med, "constrained_over_unconstrained": _ratios(med)}
+        out[name] = {"rounds": rounds, "median": med, "constrained_over_unconstrained": _ratios(med, rounds)}
         print(name, json.dumps(out[name]["median"]), json.dumps(out[name]["constrained_over_unconstrained"]))
     p, v = out["ppserve-pp1"]["median"], out["vllm"]["median"]
     out["ppserve_over_vllm"] = {
@@ -237,9 +263,14 @@ def against_vllm(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _ratios(med: dict[str, dict[str, float]]) -> dict[str, float]:
+def _ratios(med: dict[str, dict[str, float]], rounds: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     c, u = med["constrained"], med["unconstrained"]
-    return {"tok_s": c["tok_s"] / u["tok_s"], "ttft": c["ttft_p50_s"] / u["ttft_p50_s"]}
+    pairs = zip(rounds["constrained"], rounds["unconstrained"], strict=True)
+    return {
+        "tok_s": c["tok_s"] / u["tok_s"],
+        "paired_tok_s": statistics.median(a["tok_s"] / b["tok_s"] for a, b in pairs),
+        "ttft": c["ttft_p50_s"] / u["ttft_p50_s"],
+    }
 
 
 def main() -> None:
@@ -260,7 +291,9 @@ def main() -> None:
         result, replies = asyncio.run(run_pp(model, pp, args, grammar))
         report["runs"].append(result)
         print(
-            f"PP={pp}: constrained/unconstrained throughput {result['throughput_ratio']:.3f}, "
+            f"PP={pp}: constrained/unconstrained throughput {result['throughput_ratio']:.3f} "
+            f"(paired rounds {result['paired_throughput_ratio']:.3f}), "
+            f"CPU time per token {result['cpu_per_token_ratio']:.3f}, "
             f"last stage's decode step {result['last_stage_decode_ratio']:.3f}, "
             f"TTFT {result['ttft_ratio']:.3f}  {json.dumps(result['median'])}"
         )

@@ -24,16 +24,22 @@ def table_structured(r: Sequence[Result]) -> list[str]:
         return float(m["constrained"][key] / m["unconstrained"][key])
 
     ratios = [(ratio(m, "tok_s"), ratio(m, "ttft_p50_s")) for _, m in columns]
-    steps = [
-        num(ratio(m, "last_stage_decode_ms"), 3) if "last_stage_decode_ms" in m["constrained"] else ""
-        for _, m in columns
-    ]
+
+    def optional(m: dict[str, Any], key: str) -> str:  # (not measured over HTTP, nor by older runs)
+        return num(ratio(m, key), 3) if key in m["constrained"] else ""
+
+    paired = [run.get("paired_throughput_ratio") for run in d["runs"]]
+    for key in ("ppserve-pp1", "vllm"):
+        if key in http:
+            paired.append(http[key]["constrained_over_unconstrained"].get("paired_tok_s"))
     rows = [
         ["output tokens/s, unconstrained", *(num(m["unconstrained"]["tok_s"], 0) for _, m in columns)],
         ["output tokens/s, JSON schema", *(num(m["constrained"]["tok_s"], 0) for _, m in columns)],
         ["ratio (target >= 0.95)", *(bold(num(t, 3), t >= 0.95) for t, _ in ratios)],
+        ["ratio of each round's two bursts, median", *(num(p, 3) if p is not None else "" for p in paired)],
         ["TTFT p50 ratio (target <= 1.10)", *(bold(num(f, 3), f <= 1.10) for _, f in ratios)],
-        ["last stage's decode step, median, ratio", *steps],
+        ["CPU time per output token (all processes), ratio", *(optional(m, "cpu_ms_per_token") for _, m in columns)],
+        ["last stage's decode step, median, ratio", *(optional(m, "last_stage_decode_ms") for _, m in columns)],
     ]
     g = d["grammar"]
     lines = markdown(["", *(name for name, _ in columns)], rows)
