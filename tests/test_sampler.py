@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -297,32 +295,3 @@ def test_sampling_follows_the_distribution() -> None:
 def test_invalid_sampling_params(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_the_grammar_thread_idles_only_where_the_stage_leaves_cores_free() -> None:
-    """With fewer compute threads than cores (a stage beside others), the grammar thread runs at
-    idle priority; where the stage's threads take every core it keeps normal priority."""
-    cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-        pytest.skip("needs two cores")
-    with ThreadPoolExecutor(1) as probe:  # a thread of its own: the policy is per thread
-        if not probe.submit(_can_set_idle).result():
-            pytest.skip("this system refuses SCHED_IDLE (the grammar thread then keeps normal priority)")
-    threads = torch.get_num_threads()
-    try:
-        for n, policy in ((1, os.SCHED_IDLE), (cores, os.SCHED_OTHER)):
-            torch.set_num_threads(n)
-            sampler = Sampler(8, torch.device("cpu"))
-            assert sampler._grammar_thread().submit(os.sched_getscheduler, 0).result() == policy, n
-            sampler._grammar_thread().shutdown()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _can_set_idle() -> bool:
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return False
-    return True
