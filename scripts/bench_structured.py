@@ -5,8 +5,8 @@ once with a JSON schema (response_format's json_schema, compiled and cached befo
 and once without, in alternating rounds. Reports output tokens/s, TTFT p50 and their ratios
 (constrained / unconstrained; targets >= 0.95 and <= 1.10), the throughput ratio of each round's
 two bursts (their median: the machine's speed drifts between rounds), the CPU time per output
-token of every process (the work a schema adds, which other tenants of the machine do not
-inflate), and, in-process, the grammar's
+token of every process (the work a schema adds; it leaves out time the machine gives to other
+tenants, though it still grows when they slow its cores), and, in-process, the grammar's
 compile time (first and cached) and the time to compute one token's mask, along the replies the
 model itself gave in the constrained bursts (all --requests streams, each at its own state).
 
@@ -87,7 +87,7 @@ async def burst(
 
 def cpu_seconds() -> float:
     """CPU time (user and system) of this process and every process below it (the stages): the
-    work a burst costs, which, unlike its wall time, the machine's other tenants do not inflate."""
+    work a burst costs, without the time the machine gave to other tenants meanwhile."""
     tick = os.sysconf("SC_CLK_TCK")
     total, todo = 0.0, [os.getpid()]
     while todo:

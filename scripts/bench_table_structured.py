@@ -10,39 +10,44 @@ from bench_format import Result, bold, markdown, num
 
 
 def table_structured(r: Sequence[Result]) -> list[str]:
-    """Constrained against unconstrained bursts, per setting: tokens/s, TTFT, and their ratios."""
+    """Constrained against unconstrained bursts, per setting: tokens/s, TTFT, and their ratios. The
+    first result's in-process and HTTP columns, then any further result's in-process ones (a
+    longer run) labelled with their rounds."""
     d = r[0]
-    columns: list[tuple[str, dict[str, Any]]] = [
-        (f"demo (int4), PP={run['pp']}, in-process", run["median"]) for run in d["runs"]
+    # (column, medians, median of the rounds' paired throughput ratios or None)
+    columns: list[tuple[str, dict[str, Any], float | None]] = [
+        (f"demo (int4), PP={run['pp']}, in-process", run["median"], run.get("paired_throughput_ratio"))
+        for run in d["runs"]
     ]
     http = d.get("http") or {}
     for name, key in (("ppserve", "ppserve-pp1"), ("vLLM", "vllm")):
         if key in http:
-            columns.append((f"{name}, float32, HTTP", http[key]["median"]))
+            paired = http[key]["constrained_over_unconstrained"].get("paired_tok_s")
+            columns.append((f"{name}, float32, HTTP", http[key]["median"], paired))
+    for longer in r[1:]:
+        rounds = longer["settings"]["rounds"]
+        for run in longer["runs"]:
+            name = f"demo (int4), PP={run['pp']}, in-process, {rounds} rounds"
+            columns.append((name, run["median"], run.get("paired_throughput_ratio")))
 
     def ratio(m: dict[str, Any], key: str) -> float:
         return float(m["constrained"][key] / m["unconstrained"][key])
 
-    ratios = [(ratio(m, "tok_s"), ratio(m, "ttft_p50_s")) for _, m in columns]
-
     def optional(m: dict[str, Any], key: str) -> str:  # (not measured over HTTP, nor by older runs)
         return num(ratio(m, key), 3) if key in m["constrained"] else ""
 
-    paired = [run.get("paired_throughput_ratio") for run in d["runs"]]
-    for key in ("ppserve-pp1", "vllm"):
-        if key in http:
-            paired.append(http[key]["constrained_over_unconstrained"].get("paired_tok_s"))
+    ratios = [(ratio(m, "tok_s"), ratio(m, "ttft_p50_s")) for _, m, _ in columns]
     rows = [
-        ["output tokens/s, unconstrained", *(num(m["unconstrained"]["tok_s"], 0) for _, m in columns)],
-        ["output tokens/s, JSON schema", *(num(m["constrained"]["tok_s"], 0) for _, m in columns)],
+        ["output tokens/s, unconstrained", *(num(m["unconstrained"]["tok_s"], 0) for _, m, _ in columns)],
+        ["output tokens/s, JSON schema", *(num(m["constrained"]["tok_s"], 0) for _, m, _ in columns)],
         ["ratio (target >= 0.95)", *(bold(num(t, 3), t >= 0.95) for t, _ in ratios)],
-        ["ratio of each round's two bursts, median", *(num(p, 3) if p is not None else "" for p in paired)],
+        ["ratio of each round's two bursts, median", *(num(p, 3) if p is not None else "" for _, _, p in columns)],
         ["TTFT p50 ratio (target <= 1.10)", *(bold(num(f, 3), f <= 1.10) for _, f in ratios)],
-        ["CPU time per output token (all processes), ratio", *(optional(m, "cpu_ms_per_token") for _, m in columns)],
-        ["last stage's decode step, median, ratio", *(optional(m, "last_stage_decode_ms") for _, m in columns)],
+        ["CPU time per output token (all processes), ratio", *(optional(m, "cpu_ms_per_token") for _, m, _ in columns)],
+        ["last stage's decode step, median, ratio", *(optional(m, "last_stage_decode_ms") for _, m, _ in columns)],
     ]
     g = d["grammar"]
-    lines = markdown(["", *(name for name, _ in columns)], rows)
+    lines = markdown(["", *(name for name, _, _ in columns)], rows)
     lines += [
         "",
         f"The schema compiled in {num(g['compile_first_ms'], 2)} ms the first time, "

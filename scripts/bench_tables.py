@@ -436,7 +436,7 @@ TABLES: dict[str, Table] = {
     "prefix_cache": Table(("prefix_cache.json",), table_prefix_cache),
     "plan_diff": Table(("plan_diff.json",), table_plan_diff),
     "ab_throughput": Table(("ab_throughput.json",), table_ab_throughput),
-    "structured": Table(("structured.json",), table_structured),
+    "structured": Table(("structured.json", "structured_rounds40.json"), table_structured),
     "grammar_engines": Table(("grammar_engines.json",), table_grammar_engines),
 }
 
