@@ -133,15 +133,12 @@ async def run_pp(model: Path, pp: int, args: argparse.Namespace, grammar: str) -
     metrics = ("tok_s", "ttft_p50_s", "tokens", "cpu_ms_per_token", "last_stage_decode_ms")
     med = {k: {m: statistics.median(x[m] for x in v) for m in metrics} for k, v in rounds.items()}
     c, u = med["constrained"], med["unconstrained"]
-    pairs = zip(rounds["constrained"], rounds["unconstrained"], strict=True)
     return {
         "pp": pp,
         "rounds": rounds,
         "median": med,
         "throughput_ratio": c["tok_s"] / u["tok_s"],
-        # Each round's constrained burst against the unconstrained one next to it: the machine's
-        # speed drifts between rounds (by 20% and more) far more than within one.
-        "paired_throughput_ratio": statistics.median(a["tok_s"] / b["tok_s"] for a, b in pairs),
+        "paired_throughput_ratio": _paired(rounds),
         "cpu_per_token_ratio": c["cpu_ms_per_token"] / u["cpu_ms_per_token"],
         "ttft_ratio": c["ttft_p50_s"] / u["ttft_p50_s"],
         "last_stage_decode_ratio": c["last_stage_decode_ms"] / u["last_stage_decode_ms"],
@@ -265,12 +262,15 @@ def against_vllm(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def _ratios(med: dict[str, dict[str, float]], rounds: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     c, u = med["constrained"], med["unconstrained"]
+    paired = _paired(rounds)
+    return {"tok_s": c["tok_s"] / u["tok_s"], "paired_tok_s": paired, "ttft": c["ttft_p50_s"] / u["ttft_p50_s"]}
+
+
+def _paired(rounds: dict[str, list[dict[str, float]]]) -> float:
+    """The median throughput ratio of each round's constrained burst to the unconstrained one next
+    to it: the machine's speed drifts between rounds (by 20% and more) far more than within one."""
     pairs = zip(rounds["constrained"], rounds["unconstrained"], strict=True)
-    return {
-        "tok_s": c["tok_s"] / u["tok_s"],
-        "paired_tok_s": statistics.median(a["tok_s"] / b["tok_s"] for a, b in pairs),
-        "ttft": c["ttft_p50_s"] / u["ttft_p50_s"],
-    }
+    return statistics.median(a["tok_s"] / b["tok_s"] for a, b in pairs)
 
 
 def main() -> None:
