@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from live_server import ROOT
 
+from ppserve.engine.model import cpu_kernels
+
 pytestmark = pytest.mark.slow
 
 SHADOW = "raise ImportError('the application\\'s own {name} was imported instead of ppserve\\'s')\n"
@@ -74,8 +76,8 @@ def test_wheel_holds_only_ppserve(wheel: Path) -> None:
     for pkg in ("engine", "scheduler", "transport", "server"):
         assert f"ppserve/{pkg}/__init__.py" in names
     assert "ppserve/server/playground.html" in names  # package data: the page at /
-    for source in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_kernels.h"):  # the CPU kernels, built at first use
-        assert f"ppserve/engine/model/{source}" in names
+    for source in (*cpu_kernels.SOURCES, cpu_kernels.HEADER):  # the CPU kernels, built at first use
+        assert f"ppserve/engine/model/{source.name}" in names
     assert "ppserve = ppserve.server.cli:main" in archive.read(f"{dist_info}/entry_points.txt").decode()
 
 

@@ -15,8 +15,7 @@ namespace {
 
 using namespace ppserve;
 
-#if defined(__AVX512F__)
-#define PPSERVE_FLOAT_GEMM 1
+#if defined(PPSERVE_FLOAT_GEMM)
 
 // Float32 weights, per group of 32 output rows: [K][32], row n0 + l's input k at k * 32 + l (the
 // last group padded with zero rows). Every output is one sum over k in order, fused multiply-adds
@@ -83,8 +82,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
 }
 #endif  // AVX-512
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define PPSERVE_QUANT_GEMM 1
+#if defined(PPSERVE_QUANT_GEMM)
 
 // Weight-only quantized GEMM, the way llama.cpp does its quantized dot products: the activations
 // are rounded to int8 in blocks of 32 (one scale each, max |x| / 127) and multiplied with the

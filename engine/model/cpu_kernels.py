@@ -47,7 +47,7 @@ from ppserve.engine.model.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "decode_step.cpp")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix
 _PTR, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -62,6 +62,8 @@ _F32_ARGTYPES = {"apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT6
 # Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
 _FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
+# Float32 only: a decode step's layers in one call (engine/model/decode_step.py).
+_DECODE_ARGTYPES = {"decode_layers": [_PTR, _INT64, _PTR, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf.
@@ -136,7 +138,7 @@ def _load(cache: str) -> ctypes.CDLL | None:
         for suffix in KERNEL_DTYPES.values():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
-    f32 = _F32_ARGTYPES | (_FLOAT_GEMM_ARGTYPES if hasattr(dll, "float_gemm_f32") else {})
+    f32 = _F32_ARGTYPES | _DECODE_ARGTYPES | (_FLOAT_GEMM_ARGTYPES if hasattr(dll, "float_gemm_f32") else {})
     for name, argtypes in f32.items():
         fn = getattr(dll, f"{name}_f32")
         fn.argtypes, fn.restype = argtypes, None
@@ -179,6 +181,11 @@ class FloatGemm(PackedGemm):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
         super().__init__("float_gemm", torch.float32, (weight, bias), out_features)
+
+
+def decode_layers() -> Callable[..., None] | None:
+    """The library's decode step (engine/model/decode_step.py), or None where it is not built."""
+    return _kernel("decode_layers", torch.float32) if available(torch.device("cpu"), torch.float32) else None
 
 
 def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from ppserve.engine.model.decode_step import DecodeStep
 from ppserve.engine.model.linear import Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
 from ppserve.engine.model.quantized import QuantLinear
@@ -198,14 +199,17 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.windows = {cfg.sliding_windows[i] for i in layers}
         self.head: Linear | QuantLinear | None = None  # lm_head, set by fuse()
+        self.decode_step: DecodeStep | None = None  # the layers in one call, for decode steps; set by fuse()
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool = False) -> None:
         """After loading: fused, packed projections for the forward pass (see engine/model/linear.py);
         quantized ones where the checkpoint's weights are, or everywhere with `int8`
         (engine/model/quantized.py)."""
         fast = cpu_kernels.available(device, dtype)
+        layers: list[DecoderLayer] = []
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
+            layers.append(layer)
             layer.self_attn.fuse(dtype, device, int8)
             layer.mlp.fuse(dtype, device, int8)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
@@ -214,6 +218,7 @@ class StageModel(nn.Module):
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
+        self.decode_step = DecodeStep.build(layers)
 
     def forward(
         self,
@@ -232,6 +237,9 @@ class StageModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         sin[..., : sin.shape[-1] // 2].neg_()  # signed for apply_rope
+        if self.decode_step is not None and self.decode_step.applies(md, h.shape[0]):
+            self.decode_step(h, cos, sin, kv_cache, md)  # the same kernels as the loop below, from C++
+            return h
         pending = None
         for local, layer in enumerate(self.model.layers.values()):
             pending = layer(h, pending, cos, sin, kv_cache[local], md)

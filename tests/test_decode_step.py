@@ -1,0 +1,108 @@
+"""The decode step in one call (engine/model/decode_step.py) against the layers run as modules:
+bitwise the same hidden states, logits and KV cache, on every stage of a split model."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
+from helpers import random_prompt
+
+from ppserve.engine.config import EngineConfig
+from ppserve.engine.model import cpu_kernels
+from ppserve.engine.runtime.stage_runner import StageRunner
+from ppserve.transport.messages import SeqChunk
+
+pytestmark = pytest.mark.skipif(cpu_kernels.decode_layers() is None, reason="the CPU kernels are not built here")
+
+BLOCK = 4
+
+
+def _runners(model: Path, **kwargs: object) -> list[StageRunner]:
+    config = EngineConfig.create(model, pp_size=2, num_kv_blocks=128, block_size=BLOCK, **kwargs)  # type: ignore[arg-type]
+    return [StageRunner(config, stage) for stage in range(2)]
+
+
+def _forward(runners: list[StageRunner], chunks: list[SeqChunk]) -> list[torch.Tensor]:
+    """Each stage's output for the micro-batch, the first stage's feeding the second."""
+    outs: list[torch.Tensor] = []
+    for runner in runners:
+        outs.append(runner.execute(chunks, outs[-1] if outs else None))
+    return outs
+
+
+def _check_equal_to_layers(runners: list[StageRunner], lengths: list[int]) -> None:
+    """Prefill prompts of `lengths`, then decode one token of each twice from the same cache: in one
+    call and as modules. Outputs and caches must be bitwise equal."""
+    assert all(r.model.decode_step is not None for r in runners)
+    rng = random.Random(len(lengths))
+    vocab = runners[0].config.model_config.vocab_size
+    tables, next_block = [], 1  # block 0 stays empty: padding of decode tables points at it
+    for i, n in enumerate(lengths):
+        need = -(-(n + 1) // BLOCK)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+        _forward(runners, [SeqChunk(f"r{i}", random_prompt(rng, n, vocab), 0, tables[-1], True)])
+    decode = [SeqChunk(f"r{i}", [rng.randrange(6, vocab)], n, tables[i], True) for i, n in enumerate(lengths)]
+    before = [r.kv_cache.clone() for r in runners]
+    fused = _forward(runners, decode)
+    fused_kv = [r.kv_cache.clone() for r in runners]
+    steps = [r.model.decode_step for r in runners]
+    try:
+        for runner, kv in zip(runners, before, strict=True):
+            runner.kv_cache.copy_(kv)
+            runner.model.decode_step = None
+        layered = _forward(runners, decode)
+    finally:
+        for runner, step in zip(runners, steps, strict=True):
+            runner.model.decode_step = step
+    for a, b in zip(fused + fused_kv, layered + [r.kv_cache for r in runners], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(fused_kv[0], before[0])  # the step wrote its keys and values
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2-sliding", "llama-bias"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_equals_layers(checkpoints: dict[str, Path], arch: str, quantization: str) -> None:
+    """Sliding windows (mistral's 24 and qwen2's 16 are shorter than some contexts), biases, and
+    weights quantized to int8; one request at batch 1 and six of different lengths."""
+    runners = _runners(checkpoints[arch], quantization=quantization)
+    _check_equal_to_layers(runners, [9])
+    _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+def test_equals_layers_with_gguf_types(llama_dir: Path, tmp_path: Path, qtype: Q) -> None:
+    runners = _runners(write_gguf(llama_dir, tmp_path / "m.gguf", qtype), quantization="auto")
+    _check_equal_to_layers(runners, [2, 19, 7])
+
+
+def test_layers_it_cannot_run_run_as_modules(checkpoints: dict[str, Path]) -> None:
+    """q/k norms (qwen3), and bfloat16 (its float linears are oneDNN's), keep the module loop."""
+    for model, dtype in [(checkpoints["qwen3"], "float32"), (checkpoints["llama"], "bfloat16")]:
+        assert all(r.model.decode_step is None for r in _runners(model, dtype=dtype))
+
+
+def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A micro-batch with a prefill chunk in it never takes the one call."""
+    runners = _runners(llama_dir)
+    calls: list[int] = []
+    for r in runners:
+        step = r.model.decode_step
+        assert step is not None
+
+        def counted(*args: object, _fn: Callable[..., None] = step.fn) -> None:
+            calls.append(1)
+            _fn(*args)
+
+        monkeypatch.setattr(step, "fn", counted)
+    chunks = [SeqChunk("a", [7, 8, 9], 0, [1], True), SeqChunk("b", [10], 0, [2], True)]
+    _forward(runners, chunks)
+    assert calls == []
+    _forward(runners, [SeqChunk("a", [11], 3, [1], True), SeqChunk("b", [12], 1, [2], True)])
+    assert calls == [1, 1]
