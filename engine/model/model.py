@@ -218,6 +218,8 @@ class StageModel(nn.Module):
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
+        if self.model.norm is not None:
+            self.model.norm.fast = fast
         self.decode_step = DecodeStep.build(layers)
 
     def forward(
@@ -250,4 +252,4 @@ class StageModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] rows to sample from -> float32 logits [n, vocab]."""
         assert self.head is not None and self.model.norm is not None, "logits only on the last stage"
-        return self.head(self.model.norm(hidden)).float()
+        return self.head(self.model.norm.add_and_norm(hidden.contiguous(), None)).float()

@@ -118,4 +118,6 @@ class StageRunner:
             if c.sample:
                 rows.append(end - 1)
         rows += prompt_rows  # only requests that asked for prompt logprobs pay for these
+        if rows == list(range(h.shape[0])):  # every row, in order (a decode step): no gather
+            return self.model.compute_logits(h)
         return self.model.compute_logits(h[torch.tensor(rows, dtype=torch.long, device=device)])
