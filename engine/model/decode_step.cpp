@@ -6,8 +6,8 @@
 // order on the same values, from C++: the result is bitwise the one of the layer-by-layer forward
 // (engine/model/model.py), which a mixed micro-batch still takes.
 //
-// For a float32 model whose linears all run ppserve's own GEMMs (cpu_gemm.cpp), without q/k norms,
-// and a micro-batch of decode tokens only (one per request, in the batch's row order).
+// For a float32 model whose linears all run ppserve's own GEMMs (cpu_gemm.cpp), and a micro-batch
+// of decode tokens only (one per request, in the batch's row order).
 
 #include "cpu_kernels.h"
 
@@ -26,6 +26,8 @@ struct Gemm {
 struct Layer {
   const float* input_norm;
   const float* post_norm;
+  const float* q_norm;  // per head, before RoPE (Qwen3), or null
+  const float* k_norm;  // null when q_norm is
   Gemm qkv, out, gate_up, down;
   int64_t window;  // 0: none
 };
@@ -57,6 +59,11 @@ void gemm(const Gemm& g, const float* x, float* y, int64_t rows) {
   }
 }
 
+// Row r of `src` (rows `stride` apart) to row r of `dst` (packed), `width` values each.
+void rows(const float* src, int64_t stride, float* dst, int64_t width, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * width, src + r * stride, width * sizeof(float));
+}
+
 // Scratch of the calling thread (a stage's compute thread), grown on demand and kept.
 float* scratch(std::vector<float>& v, int64_t size) {
   if (static_cast<int64_t>(v.size()) < size) v.resize(size);
@@ -77,7 +84,7 @@ void decode_layers_f32(const Layer* layers, int64_t num_layers, const Dims* dims
   const Dims& d = *dims;
   const int64_t q_out = d.heads * d.head_dim, kv_out = d.kv_heads * d.head_dim;
   const int64_t cache_elems = cache_slots * kv_out;  // one layer's keys (or values)
-  thread_local std::vector<float> normed_v, qkv_v, q_v, attn_v, proj_v, gate_up_v, act_v, pending_v;
+  thread_local std::vector<float> normed_v, qkv_v, q_v, k_v, qn_v, kn_v, attn_v, proj_v, gate_up_v, act_v, pending_v;
   float* normed = scratch(normed_v, n * d.hidden);
   float* pending = scratch(pending_v, n * d.hidden);  // the previous layer's MLP output
   float* proj = scratch(proj_v, n * d.hidden);        // the attention's output projection
@@ -89,10 +96,22 @@ void decode_layers_f32(const Layer* layers, int64_t num_layers, const Dims* dims
     const int64_t width = l.qkv.out_features;
     float* qkv = scratch(qkv_v, n * width);
     gemm(l.qkv, normed, qkv, n);
-    rope_write_kv_f32(qkv, width, qkv + q_out, width, qkv + q_out + kv_out, width, cos, sin, slots, k_cache, v_cache,
-                      n, d.heads, d.kv_heads, d.head_dim);
     float* q = scratch(q_v, n * q_out);  // the queries' rows, contiguous, as the attention takes them
-    for (int64_t r = 0; r < n; ++r) std::memcpy(q + r * q_out, qkv + r * width, q_out * sizeof(float));
+    float *q_rope = qkv, *k_rope = qkv + q_out;
+    int64_t q_stride = width, k_stride = width;
+    if (l.q_norm != nullptr) {  // as Attention.forward: each head's norm, from contiguous copies
+      float* raw_q = scratch(qn_v, n * q_out);
+      float* raw_k = scratch(k_v, n * kv_out);
+      rows(qkv, width, raw_q, q_out, n);
+      rows(qkv + q_out, width, raw_k, kv_out, n);
+      k_rope = scratch(kn_v, n * kv_out);
+      rms_norm_f32(raw_q, nullptr, l.q_norm, q, n * d.heads, d.head_dim, d.eps);
+      rms_norm_f32(raw_k, nullptr, l.k_norm, k_rope, n * d.kv_heads, d.head_dim, d.eps);
+      q_rope = q, q_stride = q_out, k_stride = kv_out;
+    }
+    rope_write_kv_f32(q_rope, q_stride, k_rope, k_stride, qkv + q_out + kv_out, width, cos, sin, slots, k_cache,
+                      v_cache, n, d.heads, d.kv_heads, d.head_dim);
+    if (l.q_norm == nullptr) rows(qkv, width, q, q_out, n);  // the rotated queries
     float* attn = scratch(attn_v, n * q_out);
     decode_attention_f32(q, k_cache, v_cache, tables, lens, attn, n, d.heads, d.kv_heads, d.head_dim, block_size,
                          max_blocks, d.scale, l.window);

@@ -7,8 +7,7 @@ the same kernels in the same order from C++, so the result is bitwise the same: 
 tokens do not depend on which path their micro-batch took.
 
 It applies where every layer runs on the library (float32, ppserve's own float or quantized GEMM
-for each linear, no q/k norms); `DecodeStep.build` says None otherwise, and the layers run as
-modules.
+for each linear); `DecodeStep.build` says None otherwise, and the layers run as modules.
 """
 
 from __future__ import annotations
@@ -45,6 +44,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
         ("qkv", _Gemm),
         ("out", _Gemm),
         ("gate_up", _Gemm),
@@ -96,14 +97,18 @@ class DecodeStep:
         keep: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = [n.weight.detach().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-            if not (attn.fast and mlp.fast) or attn.q_norm is not None or norms[0].dtype != torch.float32:
+            modules = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            norms = [None if n is None else n.weight.detach().contiguous() for n in modules]
+            if not (attn.fast and mlp.fast) or any(n is not None and n.dtype != torch.float32 for n in norms):
                 return None
+            if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):
+                return None  # the step takes one eps for every norm
             gemms = [_gemm(linear) for linear in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
             if None in gemms:
                 return None
-            keep += norms
-            structs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *gemms, attn.window or 0))
+            keep += [n for n in norms if n is not None]
+            pointers = [None if n is None else n.data_ptr() for n in norms]
+            structs.append(_Layer(*pointers, *gemms, attn.window or 0))
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
         dims = _Dims(norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale)
         return cls(structs, dims, keep)

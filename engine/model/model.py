@@ -116,8 +116,9 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, by the CPU kernel where fast
+            q = self.q_norm.add_and_norm(q.reshape(-1, self.head_dim), None).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm.add_and_norm(k.reshape(-1, self.head_dim), None).view(n, self.num_kv_heads, self.head_dim)
         if self.fast:
             cpu_kernels.rope_write_kv(q, k, v, cos, sin, md.slot_mapping, kv[0], kv[1])
         else:
@@ -213,8 +214,11 @@ class StageModel(nn.Module):
             layer.self_attn.fuse(dtype, device, int8)
             layer.mlp.fuse(dtype, device, int8)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
-            for module in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
-                module.fast = fast
+            attn = layer.self_attn
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            for module in (attn, layer.mlp, *norms):
+                if module is not None:
+                    module.fast = fast
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
