@@ -36,6 +36,9 @@ from ppserve.transport.addresses import Addresses, tcp_address
 
 log = logging.getLogger("ppserve.engine")
 
+_PLACE_POLL_S = 0.5  # how often placing the stages looks at the placement group's state
+_RESEND_KILL_S = 2.0  # how often placing them asks Ray again to end the actors they replace
+
 
 class NoRoomError(StageError):
     """No node of the Ray cluster has room for a stage now; it may have later."""
@@ -94,8 +97,8 @@ class RayStagePool(StagePool):
     async def _renew(self) -> None:
         if self.group is None:
             self._connect()  # on the loop's (main) thread, as Ray wants; nothing is served yet
-        timeout_s = self.config.stage_start_timeout_s if not self.places else self.config.stage_timeout_s
-        self.places = await self._place(timeout_s)
+        room_s = self.config.stage_start_timeout_s if not self.places else self.config.stage_timeout_s
+        self.places = await self._place(room_s)
         edges = tuple(tcp_address(p.address, p.edge_port) for p in self.places[1:])
         self.addresses = Addresses(self.addresses.inbox_addr, self.addresses.plan_addrs, edges)
 
@@ -138,42 +141,84 @@ class RayStagePool(StagePool):
     def _bundle(self) -> dict[str, float]:
         return {"CPU": float(self.config.threads_per_stage), **({"GPU": 1.0} if self.config.device == "cuda" else {})}
 
-    async def _place(self, timeout_s: float) -> list[StagePlace]:
-        """An actor per stage, each in its bundle, and where each landed. An actor that dies as it
-        starts (its bundle was on a node that was lost meanwhile) is made again. One that has not
-        started when the time is up (no room) is kept for the next attempt, and NoRoomError names
-        its stage: it starts where Ray moves its bundle once there is room (killing it instead
-        races with Ray granting it that room, which can leave the room held by nobody)."""
+    async def _place(self, room_s: float) -> list[StagePlace]:
+        """An actor per stage, each in its bundle, and where each landed. Ray has `room_s` to give
+        every bundle a node (after a node is lost it moves that node's bundles to one with room);
+        once it has, the actors have `stage_start_timeout_s` to start there (a new worker process on
+        a busy node takes a while, which is not a lack of room). An actor that dies as it starts
+        (its bundle was on a node that was lost meanwhile) is made again. One that has not started
+        when the time is up (no room) is kept for the next attempt, and NoRoomError names its stage:
+        it starts where Ray moves its bundle once there is room (killing it instead races with Ray
+        granting it that room, which can leave the room held by nobody)."""
         import ray
 
-        deadline = time.monotonic() + timeout_s
+        started = killed_at = time.monotonic()
+        placed_since: float | None = None  # since when every bundle has had a node
+        warned = False
+        previous = [proc for proc in self.procs if isinstance(proc, RayStage)]  # the stages replaced
         local = None if self.ray_config.address else self.ray_config.host_addr  # no key: loopback only
+        places: dict[int, StagePlace] = {}
+        refs: dict[int, Any] = {}  # per stage not placed yet: its actor's answer to come
         while True:
             for stage in range(self.config.pp_size):
-                if stage not in self._actors:
-                    self._actors[stage] = self._new_actor(stage)
-            refs = [self._actors[stage].where.remote(local) for stage in range(self.config.pp_size)]
-            left = max(0.0, deadline - time.monotonic())
-            done, _ = await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=left)
-            places: dict[int, StagePlace] = {}
-            for stage, ref in enumerate(refs):
+                if stage not in places and stage not in refs:
+                    if stage not in self._actors:
+                        self._actors[stage] = self._new_actor(stage)
+                    refs[stage] = self._actors[stage].where.remote(local)
+            # In slices, to see the placement group's state between them.
+            pending = list(refs.values())
+            done, _ = await asyncio.to_thread(ray.wait, pending, num_returns=len(pending), timeout=_PLACE_POLL_S)
+            died = False
+            for stage, ref in list(refs.items()):
                 if ref in done:
+                    del refs[stage]
                     try:
                         places[stage] = ray.get(ref)  # ready: does not block
                     except ray.exceptions.RayError:
                         self._give_up(stage)
+                        died = True
             if len(places) == self.config.pp_size:
                 return [places[stage] for stage in range(self.config.pp_size)]
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            placed = await asyncio.to_thread(self._bundles_placed)
+            placed_since = (placed_since or now) if placed else None
+            if placed_since is not None and now - placed_since > self.config.stage_timeout_s and not warned:
+                warned = True
+                log.warning("stage(s) %s placed but not started after %.0f s", sorted(refs), now - placed_since)
+            if now - killed_at >= _RESEND_KILL_S:
+                killed_at = now
+                for old in previous:  # again: until Ray has ended them, their bundles' room is theirs
+                    old.kill()
+            deadline = started + room_s
+            if placed_since is not None:
+                deadline = max(deadline, placed_since + self.config.stage_start_timeout_s)
+            if now >= deadline:
                 break
-            await asyncio.sleep(0.5)  # before a new actor where one just died
+            if died:
+                await asyncio.sleep(0.5)  # before a new actor where one just died
         missing = [stage for stage in range(self.config.pp_size) if stage not in places]
+        if placed_since is not None:
+            raise StageError(
+                f"stage(s) {', '.join(map(str, missing))} did not start within "
+                f"{self.config.stage_start_timeout_s:.0f} s of Ray placing them",
+                missing[0],
+            )
         needs = ", ".join(f"{v:g} {k}" for k, v in self._bundle().items())
         raise NoRoomError(
             f"stage(s) {', '.join(map(str, missing))} cannot be placed: no Ray node has room for "
-            f"{needs} ({self.ray_config.strategy}); waited {timeout_s:.0f} s",
+            f"{needs} ({self.ray_config.strategy}); waited {room_s:.0f} s",
             missing[0],
         )
+
+    def _bundles_placed(self) -> bool:
+        """Whether Ray has a node for every bundle of the placement group now (its state CREATED;
+        RESCHEDULING while a lost node's bundles look for room, PENDING before the first time)."""
+        from ray.util.placement_group import placement_group_table
+
+        try:
+            return bool(placement_group_table(self.group).get("state") == "CREATED")
+        except Exception:  # the GCS did not answer this time: as if not placed
+            return False
 
     def _new_actor(self, stage: int) -> Any:
         import ray
