@@ -84,7 +84,8 @@ void decode_layers_f32(const Layer* layers, int64_t num_layers, const Dims* dims
   const Dims& d = *dims;
   const int64_t q_out = d.heads * d.head_dim, kv_out = d.kv_heads * d.head_dim;
   const int64_t cache_elems = cache_slots * kv_out;  // one layer's keys (or values)
-  thread_local std::vector<float> normed_v, qkv_v, q_v, k_v, qn_v, kn_v, attn_v, proj_v, gate_up_v, act_v, pending_v;
+  thread_local std::vector<float> normed_v, qkv_v, q_v, attn_v, proj_v, gate_up_v, act_v, pending_v;
+  thread_local std::vector<float> raw_q_v, raw_k_v, k_normed_v;  // with q/k norms only
   float* normed = scratch(normed_v, n * d.hidden);
   float* pending = scratch(pending_v, n * d.hidden);  // the previous layer's MLP output
   float* proj = scratch(proj_v, n * d.hidden);        // the attention's output projection
@@ -100,11 +101,11 @@ void decode_layers_f32(const Layer* layers, int64_t num_layers, const Dims* dims
     float *q_rope = qkv, *k_rope = qkv + q_out;
     int64_t q_stride = width, k_stride = width;
     if (l.q_norm != nullptr) {  // as Attention.forward: each head's norm, from contiguous copies
-      float* raw_q = scratch(qn_v, n * q_out);
-      float* raw_k = scratch(k_v, n * kv_out);
+      float* raw_q = scratch(raw_q_v, n * q_out);
+      float* raw_k = scratch(raw_k_v, n * kv_out);
       rows(qkv, width, raw_q, q_out, n);
       rows(qkv + q_out, width, raw_k, kv_out, n);
-      k_rope = scratch(kn_v, n * kv_out);
+      k_rope = scratch(k_normed_v, n * kv_out);
       rms_norm_f32(raw_q, nullptr, l.q_norm, q, n * d.heads, d.head_dim, d.eps);
       rms_norm_f32(raw_k, nullptr, l.k_norm, k_rope, n * d.kv_heads, d.head_dim, d.eps);
       q_rope = q, q_stride = q_out, k_stride = kv_out;
