@@ -23,17 +23,23 @@ using namespace ppserve;
 // the batch: a request's tokens come out the same alone and in any micro-batch (the pipeline's
 // split into stages changes the batches, and PP=1 and PP=P stay bitwise equal).
 // Against oneDNN's packed float32 linear (scripts/bench_quant.py, SmolLM2's layers; runs vary):
-// 0.55-0.8x the time at batch 1, where a step is a pass over the weights, 0.95-1.05x at 32 rows,
-// and 1.0-1.1x at prefill sizes (256-2048 rows).
+// 0.55-0.8x the time at batch 1, where a step is a pass over the weights, about 0.8x at 32 rows
+// (0.95-1.05x before the next group's weights were fetched during the current one's passes), and
+// 1.0-1.1x at prefill sizes (256-2048 rows).
 constexpr int64_t kFLanes = 32;   // output rows per group: two 16-lane registers
 constexpr int kFRows = 8;         // activation rows per pass over a group's weights
 constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group's weights in cache
 
 // One group against activation rows x[0, R): acc[2i + h] lane l = y[i][16h + l] (without bias).
+// With `next` (the next group's weights), their lines are asked into the cache on the way.
 template <int R>
-void float_group(const float* x, int64_t K, const float* w, __m512* acc) {
+void float_group(const float* x, int64_t K, const float* w, const float* next, __m512* acc) {
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kFLanes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kFLanes + 16), _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_loadu_ps(w + k * kFLanes), w1 = _mm512_loadu_ps(w + k * kFLanes + 16);
     for (int i = 0; i < R; ++i) {
       const __m512 xi = _mm512_set1_ps(x[i * K + k]);
@@ -44,14 +50,14 @@ void float_group(const float* x, int64_t K, const float* w, __m512* acc) {
 }
 
 template <int R>
-void float_rows(int rows, const float* x, int64_t K, const float* w, __m512* acc) {
+void float_rows(int rows, const float* x, int64_t K, const float* w, const float* next, __m512* acc) {
   // the rows' accumulators stay in registers: one instance per count
   if constexpr (R == 1) {
-    float_group<1>(x, K, w, acc);
+    float_group<1>(x, K, w, next, acc);
   } else if (rows == R) {
-    float_group<R>(x, K, w, acc);
+    float_group<R>(x, K, w, next, acc);
   } else {
-    float_rows<R - 1>(rows, x, K, w, acc);
+    float_rows<R - 1>(rows, x, K, w, next, acc);
   }
 }
 
@@ -70,7 +76,12 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
       for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
         __m512 acc[2 * kFRows];
-        float_rows<kFRows>(rows, x + r0 * K, K, w + g * K * kFLanes, acc);
+        // A group's first pass waits on memory for its weights and the later ones find them in
+        // cache, computing; the second pass brings in the next group's (the thread's next, under
+        // a static schedule), so that the next group's first pass computes too.
+        const bool fetch_next = r0 == c0 + kFRows && g + 1 < groups;
+        const float* next = fetch_next ? w + (g + 1) * K * kFLanes : nullptr;
+        float_rows<kFRows>(rows, x + r0 * K, K, w + g * K * kFLanes, next, acc);
         for (int i = 0; i < rows; ++i) {
           float* out = y + (r0 + i) * N + n0;
           _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[2 * i], b0));

@@ -46,27 +46,59 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high h
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// The two loops over keys of a task with head_dim = 16 * NV, in registers: a token's key or value
-// is loaded once for a block of JB query heads, and every dot product and accumulator is a
-// register, so that consecutive tokens' work overlaps (the generic loops below wait on each dot
-// product's sum). The sums are the same ones in another order.
+// The two loops over keys of a task with head_dim = 16 * NV, in registers.
+//
+// Scores: sixteen tokens' dot products with one query head are sixteen vectors of partial sums;
+// one transpose-and-add tree (sum16) turns them into a vector of the sixteen scores, about three
+// instructions a token where reducing each vector on its own takes ten. A head's sixteen keys are
+// read from memory once, for its first query head, and from the L1 cache for the others.
+//
+// Values: a token's value is loaded once for a block of JB query heads, and every accumulator is
+// a register, so that consecutive tokens' work overlaps. The sums are the same ones in another
+// order.
+inline __m512 pair_sum(__m512 a, __m512 b) {  // per 128-bit lane: a's two halves summed, then b's
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+// r[i] = the sum of v[i]'s sixteen lanes.
+inline __m512 sum16(const __m512* v) {
+  __m512 p[8], q[4], r[2];
+  for (int i = 0; i < 8; ++i) p[i] = pair_sum(v[2 * i], v[2 * i + 1]);  // 2 partial sums of 2 vectors a lane
+  for (int i = 0; i < 4; ++i)  // a lane: one partial sum of each of 4 vectors
+    q[i] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // lanes summed in pairs
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88), _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+}
+
+template <typename T, int NV>
+inline void prefetch_row(const T* p) {  // head_dim = 16 * NV elements of T
+  for (size_t b = 0; b < 16 * NV * sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+template <typename T, int NV>
+inline __m512 dot_partial(const __m512* qv, const T* key) {
+  __m512 acc = _mm512_mul_ps(qv[0], load16(key));
+  for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], load16(key + 16 * i), acc);
+  return acc;
+}
+
 template <typename T, int NV>
 void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n, float scale, float* scores) {
-  constexpr int JB = 16 / NV;  // JB * NV query registers
-  for (int64_t j0 = 0; j0 < group; j0 += JB) {
-    const int64_t jn = std::min<int64_t>(JB, group - j0);
-    __m512 qv[JB][NV];
-    for (int j = 0; j < JB; ++j)
-      for (int i = 0; i < NV; ++i) qv[j][i] = j < jn ? _mm512_loadu_ps(qf + (j0 + j) * 16 * NV + 16 * i) : _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16(keys[t] + 16 * i);
-      for (int j = 0; j < JB; ++j) {
-        __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
-        for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[j][i], kv[i], acc);
-        if (j < jn) scores[(j0 + j) * n + t] = _mm512_reduce_add_ps(acc) * scale;
-      }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
+    float* s = scores + j * n;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      __m512 acc[16];
+      if (j == 0)  // the next sixteen keys start coming from memory while these are used
+        for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<T, NV>(keys[u]);
+      for (int u = 0; u < 16; ++u) acc[u] = dot_partial<T, NV>(qv, keys[t + u]);
+      _mm512_storeu_ps(s + t, _mm512_mul_ps(sum16(acc), vscale));
     }
+    for (; t < n; ++t) s[t] = _mm512_reduce_add_ps(dot_partial<T, NV>(qv, keys[t])) * scale;
   }
 }
 
@@ -79,6 +111,7 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
     for (int j = 0; j < JB; ++j)
       for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
+      if (j0 == 0 && t + 8 < n) prefetch_row<T, NV>(values[t + 8]);
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(values[t] + 16 * i);
       for (int j = 0; j < JB; ++j) {
@@ -122,11 +155,16 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
       values.resize(n);
       const T* qb = q + (b * heads + g * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qb[i]);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * token_stride + g * head_dim;
-        keys[t] = k + offset;
-        values[t] = v + offset;
+      // Block by block: one division a block rather than one a token (a division costs as much
+      // as a token's dot product).
+      for (int64_t t = 0; t < n;) {
+        const int64_t pos = lo + t, blk = pos / block_size, within = pos - blk * block_size;
+        const int64_t count = std::min(block_size - within, n - t);
+        const int64_t offset = (table[blk] * block_size + within) * token_stride + g * head_dim;
+        for (int64_t c = 0; c < count; ++c, ++t) {
+          keys[t] = k + offset + c * token_stride;
+          values[t] = v + offset + c * token_stride;
+        }
       }
       bool done = false;
   #if defined(__AVX512F__)
