@@ -78,8 +78,10 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
         __m512 acc[2 * kFRows];
         // A group's first pass waits on memory for its weights and the later ones find them in
         // cache, computing; the second pass brings in the next group's (the thread's next, under
-        // a static schedule), so that the next group's first pass computes too.
-        const bool fetch_next = r0 == c0 + kFRows && g + 1 < groups;
+        // a static schedule), so that the next group's first pass computes too. With a single
+        // pass (up to 8 rows), it brings them in itself: two streams from memory rather than one
+        // (8 rows: 0.8x the time; batch 1 is at memory speed either way).
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && g + 1 < groups;
         const float* next = fetch_next ? w + (g + 1) * K * kFLanes : nullptr;
         float_rows<kFRows>(rows, x + r0 * K, K, w + g * K * kFLanes, next, acc);
         for (int i = 0; i < rows; ++i) {
