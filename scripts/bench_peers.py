@@ -299,7 +299,24 @@ async def run_case(server: Server, jobs: list[bs.Job], sequential: bool) -> dict
         return out
 
 
+def settle(quiet: float = 0.1, window_s: float = 0.5, limit_s: float = 30.0) -> float:
+    """Wait until the machine is quiet: under `quiet` cores busy over a window. An engine's idle
+    processes keep working for a few seconds after its last request (vLLM's spin down for about a
+    core-second), and the engine that runs next would otherwise pay for it: in one bfloat16 run the
+    engine after vLLM's saw 2 CPU-seconds of others in its burst and twice its TTFT. Returns the
+    last window's busy cores (above `quiet` when the limit ran out)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        busy = bs.machine_busy_s()
+        time.sleep(window_s)
+        cores = (bs.machine_busy_s() - busy) / window_s
+        if cores < quiet or time.monotonic() > deadline:
+            return cores
+
+
 def run_round(server: Server, burst: list[bs.Job], batch1: list[bs.Job]) -> dict[str, Any]:
+    if (cores := settle()) >= 0.1:
+        print(f"  warning: the machine stayed busy ({cores:.2f} cores) before {server.name}'s round")
     out = {"burst": uvloop.run(run_case(server, burst, False)), "batch1": uvloop.run(run_case(server, batch1, True))}
     for case in out.values():
         case.pop("_samples")
