@@ -50,8 +50,8 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high h
 //
 // Scores: sixteen tokens' dot products with one query head are sixteen vectors of partial sums;
 // one transpose-and-add tree (sum16) turns them into a vector of the sixteen scores, about three
-// instructions a token where reducing each vector on its own takes ten. A head's sixteen keys are
-// read from memory once, for its first query head, and from the L1 cache for the others.
+// instructions a token where reducing each vector on its own takes ten. Sixteen keys are read from
+// memory once, for the first query head of their kv head, and from the L1 cache for the others.
 //
 // Values: a token's value is loaded once for a block of JB query heads, and every accumulator is
 // a register, so that consecutive tokens' work overlaps. The sums are the same ones in another
@@ -86,19 +86,23 @@ inline __m512 dot_partial(const __m512* qv, const T* key) {
 template <typename T, int NV>
 void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n, float scale, float* scores) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < group; ++j) {
-    __m512 qv[NV];
-    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
-    float* s = scores + j * n;
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-      __m512 acc[16];
-      if (j == 0)  // the next sixteen keys start coming from memory while these are used
-        for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<T, NV>(keys[u]);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    // the next sixteen keys start coming from memory while these are used
+    for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<T, NV>(keys[u]);
+    for (int64_t j = 0; j < group; ++j) {
+      __m512 qv[NV], acc[16];
+      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
       for (int u = 0; u < 16; ++u) acc[u] = dot_partial<T, NV>(qv, keys[t + u]);
-      _mm512_storeu_ps(s + t, _mm512_mul_ps(sum16(acc), vscale));
+      _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
     }
-    for (; t < n; ++t) s[t] = _mm512_reduce_add_ps(dot_partial<T, NV>(qv, keys[t])) * scale;
+  }
+  for (; t < n; ++t) {
+    for (int64_t j = 0; j < group; ++j) {
+      __m512 qv[NV];
+      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
+      scores[j * n + t] = _mm512_reduce_add_ps(dot_partial<T, NV>(qv, keys[t])) * scale;
+    }
   }
 }
 
