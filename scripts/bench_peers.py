@@ -31,9 +31,8 @@ vendors (skipped with a message when that fails). Run it with ppserve's venv:
 Writes benchmarks/results/peers[_TAG].json and .png; server logs go to build/peers/logs/. The
 defaults (5 engines, 3 rounds, small shape) take about 8 minutes on 2 cores once set up; the first
 run adds about 2 minutes for vLLM and 15 for building llama-server. The smollm2 run (the demo
-model, `--engines all`: 10 engines) takes longer in proportion to its engines. Other load on the
-machine slows a run: each round's JSON has `other_cpu_s`, and a burst with much of it prints a
-warning.
+model, `--engines all`: 10 engines) takes longer in proportion to its engines. Each round starts
+once the machine is quiet; each burst's JSON has the others' CPU use (`other_cpu_s`).
 """
 
 from __future__ import annotations
@@ -299,24 +298,8 @@ async def run_case(server: Server, jobs: list[bs.Job], sequential: bool) -> dict
         return out
 
 
-def settle(quiet: float = 0.1, window_s: float = 0.5, limit_s: float = 30.0) -> float:
-    """Wait until the machine is quiet: under `quiet` cores busy over a window. An engine's idle
-    processes keep working for a few seconds after its last request (vLLM's spin down for about a
-    core-second), and the engine that runs next would otherwise pay for it: in one bfloat16 run the
-    engine after vLLM's saw 2 CPU-seconds of others in its burst and twice its TTFT. Returns the
-    last window's busy cores (above `quiet` when the limit ran out)."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        busy = bs.machine_busy_s()
-        time.sleep(window_s)
-        cores = (bs.machine_busy_s() - busy) / window_s
-        if cores < quiet or time.monotonic() > deadline:
-            return cores
-
-
 def run_round(server: Server, burst: list[bs.Job], batch1: list[bs.Job]) -> dict[str, Any]:
-    if (cores := settle()) >= 0.1:
-        print(f"  warning: the machine stayed busy ({cores:.2f} cores) before {server.name}'s round")
+    bs.settle(f"{server.name}'s round")
     out = {"burst": uvloop.run(run_case(server, burst, False)), "batch1": uvloop.run(run_case(server, batch1, True))}
     for case in out.values():
         case.pop("_samples")

@@ -140,6 +140,24 @@ def machine_busy_s() -> float:
     return math.nan
 
 
+def settle(before: str, quiet: float = 0.1, window_s: float = 0.5, limit_s: float = 30.0) -> None:
+    """Wait until the machine is quiet (under `quiet` cores busy over a window), at most `limit_s`,
+    and say so if it never was. An engine's idle processes keep working for a few seconds after
+    its last request (vLLM's spin down for about a core-second), and the engine that runs next
+    would otherwise pay for it: in one bfloat16 run the engine after vLLM's saw 2 CPU-seconds of
+    others in its burst and twice its TTFT."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        busy = machine_busy_s()
+        time.sleep(window_s)
+        cores = (machine_busy_s() - busy) / window_s
+        if cores < quiet:
+            return
+        if time.monotonic() > deadline:
+            print(f"  warning: the machine stayed busy ({cores:.2f} cores) before {before}")
+            return
+
+
 async def measured(jobs: list[Job], one: Callable[[Job], Awaitable[Record]], server_pid: int | None) -> dict[str, Any]:
     """One measured run, and the CPU each side spent on it. Other load on the machine (its CPU
     use is `other_cpu_s`) slows a run down; tokens per CPU-second of ours hardly notices it."""
