@@ -66,9 +66,10 @@ _FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
 _DECODE_ARGTYPES = {"decode_layers": [_PTR, _INT64, _PTR, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
-# vector expf.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+# vector expf. GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the
+# elementwise loops run 1.1-1.6x faster in 512 (bfloat16's SiLU * up: 1.59 -> 0.98 ms for 2048 rows).
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS += ["-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 
 def _cpu_flags() -> str:
