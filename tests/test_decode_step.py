@@ -18,7 +18,9 @@ from ppserve.engine.model import cpu_kernels
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.transport.messages import SeqChunk
 
-pytestmark = pytest.mark.skipif(cpu_kernels.decode_layers() is None, reason="the CPU kernels are not built here")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.decode_layers(torch.float32) is None, reason="the CPU kernels are not built here"
+)
 
 BLOCK = 4
 
@@ -83,10 +85,32 @@ def test_equals_layers_with_gguf_types(llama_dir: Path, tmp_path: Path, qtype: Q
     _check_equal_to_layers(runners, [2, 19, 7])
 
 
-def test_bfloat16_runs_as_modules(checkpoints: dict[str, Path]) -> None:
-    """bfloat16's float linears are oneDNN's, not the library's: the module loop runs them."""
-    for arch in ("llama", "qwen3"):
-        assert all(r.model.decode_step is None for r in _runners(checkpoints[arch], dtype="bfloat16"))
+@pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "qwen3-bias-tied"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bfloat16_equals_layers(checkpoints: dict[str, Path], arch: str, quantization: str) -> None:
+    """bfloat16: its float linears are oneDNN's, which the step calls back for; its int8 linears
+    are the library's, with bfloat16 activations."""
+    runners = _runners(checkpoints[arch], dtype="bfloat16", quantization=quantization)
+    _check_equal_to_layers(runners, [9])
+    _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
+
+
+def test_a_failed_callback_fails_the_step(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in a linear that the C++ side calls back for stops the step and is raised."""
+    runners = _runners(llama_dir, dtype="bfloat16")
+    step = runners[0].model.decode_step
+    assert step is not None
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("broken linear")
+
+    linears = [list(layer) for layer in step.linears]
+    linears[1][2] = broken  # the second layer's gate_up
+    monkeypatch.setattr(step, "linears", linears)
+    _forward(runners, [SeqChunk("a", [7, 8, 9], 0, [1], True)])
+    with pytest.raises(RuntimeError, match="decode step failed") as info:
+        _forward(runners, [SeqChunk("a", [11], 3, [1], True)])
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

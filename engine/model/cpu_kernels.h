@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -49,20 +50,24 @@ constexpr int64_t kParallelElements = 1 << 15;
 #define PPSERVE_QUANT_GEMM 1
 #endif
 
-// The float32 kernels that decode_step.cpp strings together (their comments are where they are
-// defined: cpu_kernels.cpp and cpu_gemm.cpp).
+// The kernels that decode_step.cpp strings together (their comments are where they are defined:
+// cpu_kernels.cpp and cpu_gemm.cpp), in float32 (f32) and bfloat16 (bf16, as uint16_t).
 extern "C" {
-void decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* tables, const int64_t* lens,
-                          float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                          int64_t block_size, int64_t max_blocks, float scale, int64_t window);
-void rms_norm_f32(float* h, const float* add, const float* weight, float* out, int64_t rows, int64_t dim, float eps);
-void silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t dim);
-void rope_write_kv_f32(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                       const float* cos, const float* sin, const int64_t* slots, float* k_cache, float* v_cache,
-                       int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim);
+#define PPSERVE_DECLARE_KERNELS(SUFFIX, T)                                                                            \
+  void decode_attention_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens,      \
+                                 T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
+                                 int64_t block_size, int64_t max_blocks, float scale, int64_t window);               \
+  void rms_norm_##SUFFIX(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t dim, float eps);          \
+  void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim);                                       \
+  void rope_write_kv_##SUFFIX(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride,           \
+                              const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n,  \
+                              int64_t heads, int64_t kv_heads, int64_t head_dim);                                    \
+  void quant_gemm_q4_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
+                              const T* bias, T* y, int64_t M, int64_t N, int64_t K);                                 \
+  void quant_gemm_q8_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
+                              const T* bias, T* y, int64_t M, int64_t N, int64_t K);
+PPSERVE_DECLARE_KERNELS(f32, float)
+PPSERVE_DECLARE_KERNELS(bf16, uint16_t)
+#undef PPSERVE_DECLARE_KERNELS
 void float_gemm_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K);
-void quant_gemm_q4_f32(const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,
-                       const float* bias, float* y, int64_t M, int64_t N, int64_t K);
-void quant_gemm_q8_f32(const float* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,
-                       const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 }

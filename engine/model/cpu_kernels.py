@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,19 +52,22 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_g
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix
 _PTR, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# A linear that the decode step leaves to its caller (decode_step.cpp's LinearFn): (layer, which,
+# rows) -> the output's address, 0 on failure.
+LINEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int64, _INT64, _INT64, _INT64)
 _ARGTYPES = {
     "decode_attention": [_PTR] * 6 + [_INT64] * 6 + [_FLOAT, _INT64],
     "rms_norm": [_PTR] * 4 + [_INT64] * 2 + [_FLOAT],
     "silu_mul": [_PTR] * 2 + [_INT64] * 2,
     "rope_write_kv": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 4,
+    # A decode step's layers in one call (engine/model/decode_step.py); it returns nonzero on failure.
+    "decode_layers": [_PTR, _INT64, _PTR, _PTR, LINEAR_FN, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3,
 }
 # Float32 only: the sampler's logits.
 _F32_ARGTYPES = {"apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64, _INT64]}
 # Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
 _FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
-# Float32 only: a decode step's layers in one call (engine/model/decode_step.py).
-_DECODE_ARGTYPES = {"decode_layers": [_PTR, _INT64, _PTR, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf. GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the
@@ -138,8 +142,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
     for name, argtypes in kernels.items():
         for suffix in KERNEL_DTYPES.values():
             fn = getattr(dll, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-    f32 = _F32_ARGTYPES | _DECODE_ARGTYPES | (_FLOAT_GEMM_ARGTYPES if hasattr(dll, "float_gemm_f32") else {})
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int if name == "decode_layers" else None
+    f32 = _F32_ARGTYPES | (_FLOAT_GEMM_ARGTYPES if hasattr(dll, "float_gemm_f32") else {})
     for name, argtypes in f32.items():
         fn = getattr(dll, f"{name}_f32")
         fn.argtypes, fn.restype = argtypes, None
@@ -184,9 +188,9 @@ class FloatGemm(PackedGemm):
         super().__init__("float_gemm", torch.float32, (weight, bias), out_features)
 
 
-def decode_layers() -> Callable[..., None] | None:
-    """The library's decode step (engine/model/decode_step.py), or None where it is not built."""
-    return _kernel("decode_layers", torch.float32) if available(torch.device("cpu"), torch.float32) else None
+def decode_layers(dtype: torch.dtype) -> Callable[..., int] | None:
+    """The library's decode step for `dtype` (engine/model/decode_step.py), or None where it is not built."""
+    return _kernel("decode_layers", dtype) if available(torch.device("cpu"), dtype) else None
 
 
 def quant_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -311,8 +315,8 @@ def rope_write_kv(
 
 
 @functools.cache
-def _kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
+def _kernel(name: str, dtype: torch.dtype) -> Callable[..., Any]:
     dll = load()
     assert dll is not None, "call only where available()"
-    fn: Callable[..., None] = getattr(dll, f"{name}_{KERNEL_DTYPES[dtype]}")
+    fn: Callable[..., Any] = getattr(dll, f"{name}_{KERNEL_DTYPES[dtype]}")
     return fn

@@ -6,28 +6,30 @@
 // order on the same values, from C++: the result is bitwise the one of the layer-by-layer forward
 // (engine/model/model.py), which a mixed micro-batch still takes.
 //
-// For a float32 model whose linears all run ppserve's own GEMMs (cpu_gemm.cpp), and a micro-batch
-// of decode tokens only (one per request, in the batch's row order).
+// For float32 and bfloat16, and a micro-batch of decode tokens only (one per request, in the
+// batch's row order). A linear runs one of this library's GEMMs (cpu_gemm.cpp) where the model's
+// does; any other (oneDNN's, for bfloat16) is run by the caller through a callback, on buffers the
+// caller owns, so it is the same op on the same input as in the module loop.
 
 #include "cpu_kernels.h"
 
 // One linear: y = x @ W.T + b by the GEMM `kind` names, with its packed weight's tensors.
 struct Gemm {
-  int64_t kind;  // 0: float_gemm; 4, 8: quant_gemm_q4, quant_gemm_q8
+  int64_t kind;  // 0: float_gemm (float32 only); 4, 8: quant_gemm_q4, quant_gemm_q8; 1: the caller's
   const void* weight;
   const void* scales;  // quantized only
   const void* mins;    // 4 bits only
-  const float* bias;   // or null
+  const void* bias;    // or null
   int64_t out_features;
   int64_t in_features;
 };
 
-// One decoder layer's weights.
+// One decoder layer's weights (the norms' of the model's type).
 struct Layer {
-  const float* input_norm;
-  const float* post_norm;
-  const float* q_norm;  // per head, before RoPE (Qwen3), or null
-  const float* k_norm;  // null when q_norm is
+  const void* input_norm;
+  const void* post_norm;
+  const void* q_norm;  // per head, before RoPE (Qwen3), or null
+  const void* k_norm;  // null when q_norm is
   Gemm qkv, out, gate_up, down;
   int64_t window;  // 0: none
 };
@@ -38,95 +40,171 @@ struct Dims {
   float eps, scale;
 };
 
+// The buffers the linears read and write, [n, width] each, owned by the caller: normed -> qkv,
+// attn -> proj, normed -> gate_up, act -> pending. A kind-1 linear reads its input there and
+// answers with where its output is instead.
+struct Buffers {
+  void *normed, *qkv, *attn, *proj, *gate_up, *act, *pending;
+};
+
+// Runs layer `layer`'s linear `which` (0: qkv, 1: out, 2: gate_up, 3: down) on the first `rows`
+// rows of its input buffer; returns the address of its output ([rows, out_features], valid until
+// the next call for the same `which`), or 0 when it failed (the step then stops and says so).
+using LinearFn = intptr_t (*)(int64_t layer, int64_t which, int64_t rows);
+
 namespace {
 
-void gemm(const Gemm& g, const float* x, float* y, int64_t rows) {
-  const int64_t n = g.out_features, k = g.in_features;
+using namespace ppserve;
+
+// The library's kernels by element type (their extern "C" names carry it).
+void norm(float* h, const float* add, const void* w, float* out, int64_t rows, int64_t dim, float eps) {
+  rms_norm_f32(h, add, static_cast<const float*>(w), out, rows, dim, eps);
+}
+void norm(uint16_t* h, const uint16_t* add, const void* w, uint16_t* out, int64_t rows, int64_t dim, float eps) {
+  rms_norm_bf16(h, add, static_cast<const uint16_t*>(w), out, rows, dim, eps);
+}
+void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t dim) { silu_mul_f32(gate_up, out, rows, dim); }
+void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
+  silu_mul_bf16(gate_up, out, rows, dim);
+}
+template <typename T>
+void rope_write_kv(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride, const T* cos,
+                   const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim) {
+  if constexpr (std::is_same_v<T, float>)
+    rope_write_kv_f32(q, q_stride, k, k_stride, v, v_stride, cos, sin, slots, k_cache, v_cache, n, heads, kv_heads,
+                      head_dim);
+  else
+    rope_write_kv_bf16(q, q_stride, k, k_stride, v, v_stride, cos, sin, slots, k_cache, v_cache, n, heads, kv_heads,
+                       head_dim);
+}
+template <typename T>
+void attention(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out, int64_t batch,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+               int64_t window) {
+  if constexpr (std::is_same_v<T, float>)
+    decode_attention_f32(q, k, v, tables, lens, out, batch, heads, kv_heads, head_dim, block_size, max_blocks, scale,
+                         window);
+  else
+    decode_attention_bf16(q, k, v, tables, lens, out, batch, heads, kv_heads, head_dim, block_size, max_blocks,
+                          scale, window);
+}
+
+// Linear `which` of layer `layer` on x: its output, in y or where the caller's put it; null when
+// the caller's failed.
+template <typename T>
+T* gemm(const Gemm& g, const T* x, T* y, int64_t rows, LinearFn linear, int64_t layer, int64_t which) {
+  [[maybe_unused]] const int64_t n = g.out_features, k = g.in_features;
+  [[maybe_unused]] const auto bias = static_cast<const T*>(g.bias);
   switch (g.kind) {
+    case 1: return reinterpret_cast<T*>(linear(layer, which, rows));
 #if defined(PPSERVE_FLOAT_GEMM)
-    case 0: float_gemm_f32(x, static_cast<const float*>(g.weight), g.bias, y, rows, n, k); return;
+    case 0:
+      if constexpr (std::is_same_v<T, float>) {
+        float_gemm_f32(x, static_cast<const float*>(g.weight), bias, y, rows, n, k);
+        return y;
+      }
+      break;
 #endif
 #if defined(PPSERVE_QUANT_GEMM)
     case 4:
     case 8: {
       const auto w = static_cast<const uint8_t*>(g.weight);
       const auto s = static_cast<const uint16_t*>(g.scales), m = static_cast<const uint16_t*>(g.mins);
-      (g.kind == 4 ? quant_gemm_q4_f32 : quant_gemm_q8_f32)(x, w, s, m, g.bias, y, rows, n, k);
-      return;
+      if constexpr (std::is_same_v<T, float>)
+        (g.kind == 4 ? quant_gemm_q4_f32 : quant_gemm_q8_f32)(x, w, s, m, bias, y, rows, n, k);
+      else
+        (g.kind == 4 ? quant_gemm_q4_bf16 : quant_gemm_q8_bf16)(x, w, s, m, bias, y, rows, n, k);
+      return y;
     }
 #endif
-    default: std::abort();  // decode_step.py passes only the kinds this library has
+    default: break;
   }
+  std::abort();  // decode_step.py passes only the kinds this library has
 }
 
 // Row r of `src` (rows `stride` apart) to row r of `dst` (packed), `width` values each.
-void rows(const float* src, int64_t stride, float* dst, int64_t width, int64_t n) {
-  for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * width, src + r * stride, width * sizeof(float));
+template <typename T>
+void rows(const T* src, int64_t stride, T* dst, int64_t width, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * width, src + r * stride, width * sizeof(T));
 }
 
 // Scratch of the calling thread (a stage's compute thread), grown on demand and kept.
-float* scratch(std::vector<float>& v, int64_t size) {
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t size) {
   if (static_cast<int64_t>(v.size()) < size) v.resize(size);
   return v.data();
+}
+
+// h: [n, hidden], the residual stream, updated in place to the stage's output (its last layer's
+// MLP output added). kv: [layers, 2, slots, kv_heads, head_dim] (`slots` = blocks * block_size).
+// cos, sin: [n, head_dim] (sin signed, see model.py); slots: [n]; tables: [n, max_blocks]; lens: [n].
+// Returns 0, or 1 when a caller's linear failed.
+template <typename T>
+int decode_layers(const Layer* layers, int64_t num_layers, const Dims& d, const Buffers& buf, LinearFn linear, T* h,
+                  T* kv, int64_t cache_slots, const T* cos, const T* sin, const int64_t* slots, const int64_t* tables,
+                  const int64_t* lens, int64_t n, int64_t max_blocks, int64_t block_size) {
+  const int64_t q_out = d.heads * d.head_dim, kv_out = d.kv_heads * d.head_dim;
+  const int64_t cache_elems = cache_slots * kv_out;  // one layer's keys (or values)
+  thread_local std::vector<T> q_v, raw_q_v, raw_k_v, k_normed_v;  // the last three with q/k norms only
+  T* normed = static_cast<T*>(buf.normed);
+  T* attn = static_cast<T*>(buf.attn);
+  T* act = static_cast<T*>(buf.act);
+  T* pending = nullptr;  // the previous layer's MLP output
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const Layer& l = layers[i];
+    T* k_cache = kv + 2 * i * cache_elems;
+    T* v_cache = k_cache + cache_elems;
+    norm(h, i == 0 ? nullptr : pending, l.input_norm, normed, n, d.hidden, d.eps);
+    T* qkv = gemm(l.qkv, normed, static_cast<T*>(buf.qkv), n, linear, i, 0);
+    if (qkv == nullptr) return 1;
+    const int64_t width = l.qkv.out_features;
+    T* q = scratch(q_v, n * q_out);  // the queries' rows, contiguous, as the attention takes them
+    T *q_rope = qkv, *k_rope = qkv + q_out;
+    int64_t q_stride = width, k_stride = width;
+    if (l.q_norm != nullptr) {  // as Attention.forward: each head's norm, from contiguous copies
+      T* raw_q = scratch(raw_q_v, n * q_out);
+      T* raw_k = scratch(raw_k_v, n * kv_out);
+      rows(qkv, width, raw_q, q_out, n);
+      rows(qkv + q_out, width, raw_k, kv_out, n);
+      k_rope = scratch(k_normed_v, n * kv_out);
+      norm(raw_q, nullptr, l.q_norm, q, n * d.heads, d.head_dim, d.eps);
+      norm(raw_k, nullptr, l.k_norm, k_rope, n * d.kv_heads, d.head_dim, d.eps);
+      q_rope = q, q_stride = q_out, k_stride = kv_out;
+    }
+    rope_write_kv(q_rope, q_stride, k_rope, k_stride, qkv + q_out + kv_out, width, cos, sin, slots, k_cache, v_cache,
+                  n, d.heads, d.kv_heads, d.head_dim);
+    if (l.q_norm == nullptr) rows(qkv, width, q, q_out, n);  // the rotated queries
+    attention(q, k_cache, v_cache, tables, lens, attn, n, d.heads, d.kv_heads, d.head_dim, block_size, max_blocks,
+              d.scale, l.window);
+    const T* proj = gemm(l.out, attn, static_cast<T*>(buf.proj), n, linear, i, 1);
+    if (proj == nullptr) return 1;
+    norm(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
+    const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
+    if (gate_up == nullptr) return 1;
+    silu_mul(gate_up, act, n, l.gate_up.out_features / 2);
+    pending = gemm(l.down, act, static_cast<T*>(buf.pending), n, linear, i, 3);
+    if (pending == nullptr) return 1;
+  }
+  if (num_layers > 0)
+    for (int64_t j = 0; j < n * d.hidden; ++j) store(h + j, to_float(h[j]) + to_float(pending[j]));
+  return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-// h: [n, hidden], the residual stream, updated in place to the stage's output (its last layer's
-// MLP output added). kv: [layers, 2, slots, kv_heads, head_dim] (`slots` = blocks * block_size).
-// cos, sin: [n, head_dim] (sin signed, see model.py); slots: [n]; tables: [n, max_blocks]; lens: [n].
-void decode_layers_f32(const Layer* layers, int64_t num_layers, const Dims* dims, float* h, float* kv,
-                       int64_t cache_slots, const float* cos, const float* sin, const int64_t* slots,
-                       const int64_t* tables, const int64_t* lens, int64_t n, int64_t max_blocks,
-                       int64_t block_size) {
-  const Dims& d = *dims;
-  const int64_t q_out = d.heads * d.head_dim, kv_out = d.kv_heads * d.head_dim;
-  const int64_t cache_elems = cache_slots * kv_out;  // one layer's keys (or values)
-  thread_local std::vector<float> normed_v, qkv_v, q_v, attn_v, proj_v, gate_up_v, act_v, pending_v;
-  thread_local std::vector<float> raw_q_v, raw_k_v, k_normed_v;  // with q/k norms only
-  float* normed = scratch(normed_v, n * d.hidden);
-  float* pending = scratch(pending_v, n * d.hidden);  // the previous layer's MLP output
-  float* proj = scratch(proj_v, n * d.hidden);        // the attention's output projection
-  for (int64_t i = 0; i < num_layers; ++i) {
-    const Layer& l = layers[i];
-    float* k_cache = kv + 2 * i * cache_elems;
-    float* v_cache = k_cache + cache_elems;
-    rms_norm_f32(h, i == 0 ? nullptr : pending, l.input_norm, normed, n, d.hidden, d.eps);
-    const int64_t width = l.qkv.out_features;
-    float* qkv = scratch(qkv_v, n * width);
-    gemm(l.qkv, normed, qkv, n);
-    float* q = scratch(q_v, n * q_out);  // the queries' rows, contiguous, as the attention takes them
-    float *q_rope = qkv, *k_rope = qkv + q_out;
-    int64_t q_stride = width, k_stride = width;
-    if (l.q_norm != nullptr) {  // as Attention.forward: each head's norm, from contiguous copies
-      float* raw_q = scratch(raw_q_v, n * q_out);
-      float* raw_k = scratch(raw_k_v, n * kv_out);
-      rows(qkv, width, raw_q, q_out, n);
-      rows(qkv + q_out, width, raw_k, kv_out, n);
-      k_rope = scratch(k_normed_v, n * kv_out);
-      rms_norm_f32(raw_q, nullptr, l.q_norm, q, n * d.heads, d.head_dim, d.eps);
-      rms_norm_f32(raw_k, nullptr, l.k_norm, k_rope, n * d.kv_heads, d.head_dim, d.eps);
-      q_rope = q, q_stride = q_out, k_stride = kv_out;
-    }
-    rope_write_kv_f32(q_rope, q_stride, k_rope, k_stride, qkv + q_out + kv_out, width, cos, sin, slots, k_cache,
-                      v_cache, n, d.heads, d.kv_heads, d.head_dim);
-    if (l.q_norm == nullptr) rows(qkv, width, q, q_out, n);  // the rotated queries
-    float* attn = scratch(attn_v, n * q_out);
-    decode_attention_f32(q, k_cache, v_cache, tables, lens, attn, n, d.heads, d.kv_heads, d.head_dim, block_size,
-                         max_blocks, d.scale, l.window);
-    gemm(l.out, attn, proj, n);
-    rms_norm_f32(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
-    const int64_t inter = l.gate_up.out_features / 2;
-    float* gate_up = scratch(gate_up_v, n * 2 * inter);
-    gemm(l.gate_up, normed, gate_up, n);
-    float* act = scratch(act_v, n * inter);
-    silu_mul_f32(gate_up, act, n, inter);
-    gemm(l.down, act, pending, n);
+#define PPSERVE_DECODE_STEP(SUFFIX, T)                                                                                \
+  int decode_layers_##SUFFIX(const Layer* layers, int64_t num_layers, const Dims* dims, const Buffers* buf,          \
+                             LinearFn linear, T* h, T* kv, int64_t cache_slots, const T* cos, const T* sin,          \
+                             const int64_t* slots, const int64_t* tables, const int64_t* lens, int64_t n,            \
+                             int64_t max_blocks, int64_t block_size) {                                               \
+    return decode_layers(layers, num_layers, *dims, *buf, linear, h, kv, cache_slots, cos, sin, slots, tables, lens, \
+                         n, max_blocks, block_size);                                                                  \
   }
-  if (num_layers > 0)
-    for (int64_t j = 0; j < n * d.hidden; ++j) h[j] += pending[j];
-}
+
+PPSERVE_DECODE_STEP(f32, float)
+PPSERVE_DECODE_STEP(bf16, uint16_t)
 
 }  // extern "C"

@@ -6,8 +6,11 @@ some ten module calls and ctypes calls each). For a micro-batch of decode tokens
 the same kernels in the same order from C++, so the result is bitwise the same: a request's
 tokens do not depend on which path their micro-batch took.
 
-It applies where every layer runs on the library (float32, ppserve's own float or quantized GEMM
-for each linear); `DecodeStep.build` says None otherwise, and the layers run as modules.
+It applies where every layer's norms, RoPE, attention and activation run on the library (float32
+or bfloat16 on the CPU). A linear that runs one of the library's GEMMs (ppserve's float or
+quantized GEMM) is called from C++ too; any other (oneDNN's, which bfloat16's float linears run)
+is called back here, as the same module on the same input, in buffers this side owns.
+`DecodeStep.build` says None where the step does not apply, and the layers run as modules.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from ppserve.engine.model.attention import AttentionMetadata
 if TYPE_CHECKING:  # model.py builds a DecodeStep
     from ppserve.engine.model.model import DecoderLayer
 
-# A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm.
+# A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm; the others
+# are the caller's (kind 1), run through the callback.
 _KINDS = {"float_gemm": 0, "quant_gemm_q4": 4, "quant_gemm_q8": 8}
+_CALLBACK = 1
 
 
 class _Gemm(ctypes.Structure):
@@ -54,6 +59,10 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Buffers(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act", "pending")]
+
+
 class _Dims(ctypes.Structure):
     _fields_ = [
         ("hidden", ctypes.c_int64),
@@ -65,12 +74,12 @@ class _Dims(ctypes.Structure):
     ]
 
 
-def _gemm(linear: torch.nn.Module) -> _Gemm | None:
-    """A `Linear` or `QuantLinear` (engine/model/linear.py, quantized.py) as decode_step.cpp takes it,
-    or None where it does not run one of the library's GEMMs."""
+def _gemm(linear: torch.nn.Module) -> _Gemm:
+    """A `Linear` or `QuantLinear` (engine/model/linear.py, quantized.py) as decode_step.cpp takes it:
+    one of the library's GEMMs, or else the caller's."""
     packed = getattr(linear, "gemm", None)
     if not isinstance(packed, cpu_kernels.PackedGemm) or packed.kernel not in _KINDS:
-        return None
+        return _Gemm(_CALLBACK, None, None, None, None, linear.out_features, linear.in_features)
     *weights, bias = packed.pointers  # (weight, bias) or (weight, scales, mins, bias)
     weight, scales, mins = (*weights, None, None)[:3]
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.out_features, linear.in_features)
@@ -79,19 +88,49 @@ def _gemm(linear: torch.nn.Module) -> _Gemm | None:
 class DecodeStep:
     """The layers of one stage, as the library's decode step runs them."""
 
-    def __init__(self, layers: Sequence[_Layer], dims: _Dims, keep: Sequence[torch.Tensor]) -> None:
-        fn = cpu_kernels.decode_layers()
+    def __init__(
+        self,
+        layers: Sequence[DecoderLayer],
+        structs: Sequence[_Layer],
+        dims: _Dims,
+        dtype: torch.dtype,
+        keep: Sequence[torch.Tensor],
+    ) -> None:
+        fn = cpu_kernels.decode_layers(dtype)
         assert fn is not None
         self.fn = fn
-        self.layers = (_Layer * len(layers))(*layers)
+        self.layers = (_Layer * len(structs))(*structs)
         self.dims = dims
+        self.dtype = dtype
         self.keep = keep  # the norms' weights, alive as long as their pointers are
+        # The linears the C++ side calls back for: (layer, which) -> forward, which as in LinearFn.
+        self.linears = [
+            [lin.forward for lin in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+            for layer in layers
+        ]
+        first = structs[0]
+        self.widths = {
+            "normed": dims.hidden,
+            "qkv": first.qkv.out_features,
+            "attn": dims.heads * dims.head_dim,
+            "proj": dims.hidden,
+            "gate_up": first.gate_up.out_features,
+            "act": first.gate_up.out_features // 2,
+            "pending": dims.hidden,
+        }
+        self._inputs: list[torch.Tensor] = []  # this step's input buffer per `which`
+        self._outputs: list[torch.Tensor | None] = [None] * 4  # the last output per `which`, alive while used
+        self._error: BaseException | None = None
+        self.callback = cpu_kernels.LINEAR_FN(self._linear)  # kept: C++ holds its pointer during the call
 
     @classmethod
     def build(cls, layers: Sequence[DecoderLayer]) -> DecodeStep | None:
-        """From a stage's fused layers, or None where some layer does not run entirely on the
-        library (then the modules run)."""
-        if not layers or cpu_kernels.decode_layers() is None:
+        """From a stage's fused layers, or None where some layer's kernels are not all the library's
+        (then the modules run)."""
+        if not layers:
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        if cpu_kernels.decode_layers(dtype) is None:
             return None
         structs: list[_Layer] = []
         keep: list[torch.Tensor] = []
@@ -99,19 +138,19 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             norms = [None if n is None else n.weight.detach().contiguous() for n in modules]
-            if not (attn.fast and mlp.fast) or any(n is not None and n.dtype != torch.float32 for n in norms):
+            if not (attn.fast and mlp.fast) or any(n is not None and n.dtype != dtype for n in norms):
                 return None
             if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):
                 return None  # the step takes one eps for every norm
             gemms = [_gemm(linear) for linear in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
-            if None in gemms:
-                return None
             keep += [n for n in norms if n is not None]
             pointers = [None if n is None else n.data_ptr() for n in norms]
             structs.append(_Layer(*pointers, *gemms, attn.window or 0))
+        if len({(s.qkv.out_features, s.gate_up.out_features) for s in structs}) > 1:
+            return None  # one set of buffers serves every layer
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
         dims = _Dims(norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale)
-        return cls(structs, dims, keep)
+        return cls(layers, structs, dims, dtype, keep)
 
     @staticmethod
     def applies(md: AttentionMetadata, rows: int) -> bool:
@@ -119,17 +158,36 @@ class DecodeStep:
         d = md.decode
         return not md.prefills and d is not None and d.rows == slice(0, rows)
 
+    def _linear(self, layer: int, which: int, rows: int) -> int:
+        """decode_step.cpp's LinearFn: a linear that is not the library's, as its module runs it."""
+        try:
+            y = self.linears[layer][which](self._inputs[which]).contiguous()
+            self._outputs[which] = y
+            return y.data_ptr()
+        except BaseException as e:  # raised again by __call__, after the C++ side has returned
+            self._error = e
+            return 0
+
     def __call__(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata
     ) -> None:
-        """h: [n, hidden] float32, the residual stream, updated in place to the stage's output;
-        cos, sin: [n, 1, head_dim] as StageModel.forward makes them; kv: the stage's whole cache,
+        """h: [n, hidden], the residual stream, updated in place to the stage's output; cos, sin:
+        [n, 1, head_dim] as StageModel.forward makes them; kv: the stage's whole cache,
         [layers, 2, blocks, block_size, kv_heads, head_dim]. Only where `applies`."""
         d = md.decode
-        assert d is not None and all(t.is_contiguous() for t in (h, cos, sin, kv))
+        assert d is not None and h.dtype == self.dtype and all(t.is_contiguous() for t in (h, cos, sin, kv))
         tables, lens, slots = d.block_tables.contiguous(), d.context_lens.contiguous(), md.slot_mapping.contiguous()
-        self.fn(
-            ctypes.byref(self.layers), len(self.layers), ctypes.byref(self.dims), h.data_ptr(), kv.data_ptr(),
-            kv.shape[2] * kv.shape[3], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), h.shape[0], tables.shape[1], d.block_size,
+        n = h.shape[0]
+        buf = {name: h.new_empty(n, width) for name, width in self.widths.items()}
+        self._inputs = [buf["normed"], buf["attn"], buf["normed"], buf["act"]]
+        buffers = _Buffers(**{name: t.data_ptr() for name, t in buf.items()})
+        self._error = None
+        failed = self.fn(
+            ctypes.byref(self.layers), len(self.layers), ctypes.byref(self.dims), ctypes.byref(buffers), self.callback,
+            h.data_ptr(), kv.data_ptr(), kv.shape[2] * kv.shape[3], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), lens.data_ptr(), n, tables.shape[1], d.block_size,
         )  # fmt: skip
+        self._inputs, self._outputs = [], [None] * 4
+        if failed:
+            error, self._error = self._error, None
+            raise RuntimeError("a linear of the decode step failed") from error
