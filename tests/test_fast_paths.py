@@ -207,3 +207,20 @@ def test_rope_write_kv_kernel_equals_torch(dtype: torch.dtype, qk_norm: bool) ->
     cpu_kernels.rope_write_kv(q, k, v, cos, sin, slots, caches[1, 0], caches[1, 1])
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(caches[0], caches[1])
+
+
+def test_argmax_kernel_equals_torch() -> None:
+    """Greedy sampling's argmax: the first index of the largest logit (ties), the first NaN's where
+    a row has one, all -inf rows, the largest in the tail past the last 16 logits, and rows of a
+    bigger tensor (strided)."""
+    x = torch.randn(37, 49157, generator=torch.Generator().manual_seed(9))
+    x[1] = float("-inf")
+    x[2, 40000] = x[2, 100] = 1e9
+    x[3, 9], x[3, 5000], x[3, 7] = float("inf"), float("nan"), float("nan")
+    x[4, -1] = 1e9
+    x[5] = 0.0
+    x[6, 3] = float("inf")
+    x[7, 40] = x[7, 41] = -0.0  # the rest below zero: -0.0 and 0.0 compare equal
+    x[7] = torch.where(x[7] == 0, x[7], -x[7].abs() - 1)
+    for t in (x, x[:, :49000], x[::2], x[:1, :7]):
+        assert torch.equal(cpu_kernels.argmax(t), t.argmax(dim=-1))

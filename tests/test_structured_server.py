@@ -13,15 +13,19 @@ import aiohttp
 import pytest
 from live_server import LiveServer
 from openai import OpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 pytestmark = pytest.mark.slow
 
 
 class City(BaseModel):
-    name: str
-    country: str
-    population_millions: int
+    """Bounded, so that any sampled reply fits the tests' max_tokens: no extra fields (a small model
+    adds them), short strings, a small integer."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=32)
+    country: str = Field(max_length=32)
+    population_millions: int = Field(ge=0, le=1000)
 
 
 WEATHER: Any = {

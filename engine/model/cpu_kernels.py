@@ -64,7 +64,10 @@ _ARGTYPES = {
     "decode_layers": [_PTR, _INT64, _PTR, _PTR, LINEAR_FN, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3,
 }
 # Float32 only: the sampler's logits.
-_F32_ARGTYPES = {"apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64, _INT64]}
+_F32_ARGTYPES = {
+    "apply_token_bitmask": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64, _INT64],
+    "argmax_rows": [_PTR, _INT64, _INT64, _INT64, _PTR],
+}
 # Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
 _FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
@@ -227,6 +230,18 @@ def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.T
         logits.data_ptr(), logits.stride(0), masks.data_ptr(), masks.shape[1], rows.data_ptr(), rows.shape[0],
         logits.shape[1],
     )  # fmt: skip
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for logits [rows, vocab] float32 with unit stride in its last
+    dimension (the first index of the largest, or of the first NaN). Only where
+    `available(logits.device, torch.float32)`."""
+    assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    _kernel("argmax_rows", torch.float32)(
+        logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr()
+    )
+    return out
 
 
 def decode_attention(

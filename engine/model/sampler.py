@@ -181,6 +181,14 @@ def _first_above(cdf: torch.Tensor, target: torch.Tensor, weights: torch.Tensor)
     return torch.minimum(picks, last)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token, as torch.argmax: by the CPU kernel where it runs (some 10x faster
+    at 32 rows of a 49152-token vocabulary)."""
+    if logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.available(logits.device, logits.dtype):
+        return cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def _step_seed(seed: int, step: int) -> int:
     """A well-mixed 63-bit seed for (seed, step) (splitmix64's finaliser), so that neighbouring
     seeds and steps give unrelated noise."""
@@ -302,11 +310,11 @@ class Sampler:
         logits = apply_penalties(logits, states)
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_BELOW]
         if len(greedy) == len(states):  # the common all-greedy batch: no row gather
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         else:
             token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
             if greedy:
-                token_ids[greedy] = logits[greedy].argmax(dim=-1)
+                token_ids[greedy] = _argmax(logits[greedy])
         drawn = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_BELOW]
         if drawn:
             token_ids[drawn] = torch.tensor(self._draw(logits, drawn, [states[i] for i in drawn]), device=logits.device)
