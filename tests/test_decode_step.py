@@ -121,9 +121,9 @@ def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytes
         step = r.model.decode_step
         assert step is not None
 
-        def counted(*args: object, _fn: Callable[..., None] = step.fn) -> None:
+        def counted(*args: object, _fn: Callable[..., int] = step.fn) -> int:
             calls.append(1)
-            _fn(*args)
+            return _fn(*args)
 
         monkeypatch.setattr(step, "fn", counted)
     chunks = [SeqChunk("a", [7, 8, 9], 0, [1], True), SeqChunk("b", [10], 0, [2], True)]
