@@ -108,7 +108,7 @@ def table_profile_step(results: Sequence[Result]) -> list[str]:
     )
     # The rows above add up to the step with the layers run as modules; the engine's step runs a
     # decode step's layers in one call where it can (engine/model/decode_step.py).
-    modules = [float(r.get("modules_step_ms", r["step_ms"])) for r in results]
+    modules: list[float] = [r["modules_step_ms"] if "modules_step_ms" in r else r["step_ms"] for r in results]
     rows.append(["step, the layers as modules"] + [f"{num(ms)} ms" for ms in modules])
     engine = [r["step_ms"] if r.get("one_call_layers") else ms for r, ms in zip(results, modules, strict=True)]
     rows.append(
