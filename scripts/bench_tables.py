@@ -108,12 +108,9 @@ def table_profile_step(results: Sequence[Result]) -> list[str]:
     )
     # The rows above add up to the step with the layers run as modules; the engine's step runs a
     # decode step's layers in one call where it can (engine/model/decode_step.py).
-    modules: list[float] = [r["modules_step_ms"] if "modules_step_ms" in r else r["step_ms"] for r in results]
-    rows.append(["step, the layers as modules"] + [f"{num(ms)} ms" for ms in modules])
-    engine = [r["step_ms"] if r.get("one_call_layers") else ms for r, ms in zip(results, modules, strict=True)]
-    rows.append(
-        ["**step, the engine's** (the layers in one call where it applies)"] + [bold(f"{num(ms)} ms") for ms in engine]
-    )
+    rows.append(["step, the layers as modules"] + [f"{num(r['modules_step_ms'])} ms" for r in results])
+    engine = [r["step_ms"] if r["one_call_layers"] else r["modules_step_ms"] for r in results]
+    rows.append(["**step, the engine's** (one call where it applies)"] + [bold(f"{num(ms)} ms") for ms in engine])
     header = ["per step", "float32, F.linear + SDPA", "float32, now", "bfloat16, now"]
     header.append(f"realistic shape, batch {results[3]['batch']}, {results[3]['dtype']}")
     return markdown(header, rows)
