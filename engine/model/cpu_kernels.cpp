@@ -51,7 +51,10 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high h
 // Scores: sixteen tokens' dot products with one query head are sixteen vectors of partial sums;
 // one transpose-and-add tree (sum16) turns them into a vector of the sixteen scores, about three
 // instructions a token where reducing each vector on its own takes ten. Sixteen keys are read from
-// memory once, for the first query head of their kv head, and from the L1 cache for the others.
+// memory once, for the first query head of their kv head, and from the L1 cache for the others;
+// bfloat16 keys are widened to float once for all of those heads (32 requests at 250 tokens, a
+// step's attention: SmolLM2's 30 layers, 3 heads a kv head, 13.0 -> 11.4 ms; the 0.5B shape's 24
+// layers, 7 heads a kv head, 10.4 -> 8.0 ms).
 //
 // Values: a token's value is loaded once for a block of JB query heads, and every accumulator is
 // a register, so that consecutive tokens' work overlaps. The sums are the same ones in another
@@ -90,10 +93,23 @@ void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n
   for (; t + 16 <= n; t += 16) {
     // the next sixteen keys start coming from memory while these are used
     for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<T, NV>(keys[u]);
+    if (std::is_same_v<T, float> || group == 1) {
+      for (int64_t j = 0; j < group; ++j) {
+        __m512 qv[NV], acc[16];
+        for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
+        for (int u = 0; u < 16; ++u) acc[u] = dot_partial<T, NV>(qv, keys[t + u]);
+        _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
+      }
+      continue;
+    }
+    // bfloat16, several query heads a kv head: the keys widened (exactly) once, not once a head
+    alignas(64) float kf[16 * 16 * NV];
+    for (int u = 0; u < 16; ++u)
+      for (int i = 0; i < NV; ++i) _mm512_store_ps(kf + (u * NV + i) * 16, load16(keys[t + u] + 16 * i));
     for (int64_t j = 0; j < group; ++j) {
       __m512 qv[NV], acc[16];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
-      for (int u = 0; u < 16; ++u) acc[u] = dot_partial<T, NV>(qv, keys[t + u]);
+      for (int u = 0; u < 16; ++u) acc[u] = dot_partial<float, NV>(qv, kf + u * NV * 16);
       _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
     }
   }
