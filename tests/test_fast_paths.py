@@ -13,7 +13,7 @@ from torch import nn
 
 from ppserve.engine.model import attention, cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention
-from ppserve.engine.model.linear import Linear, default_kernel, fuse_linears
+from ppserve.engine.model.linear import MIN_ROWS, Linear, default_kernel, fuse_linears, onednn_rows
 from ppserve.engine.model.model import RMSNorm, apply_rope, rope_inv_freq
 from ppserve.engine.model.model_config import RopeConfig
 
@@ -101,6 +101,29 @@ def test_fused_linear_matches_separate(dtype: torch.dtype) -> None:
         x = torch.randn(rows, 48).to(dtype)
         want = torch.cat([lin(x) for lin in layers], dim=-1)
         torch.testing.assert_close(fused(x).float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_onednn_rows_are_few_sizes() -> None:
+    """oneDNN compiles a kernel per shape, so its linears see a bounded set of row counts; padding
+    stays under 8 rows at decode sizes and 64 past them."""
+    sizes = [onednn_rows(r) for r in range(1, 2049)]
+    assert all(max(r, MIN_ROWS) <= p <= r + (7 if r <= 256 else 63) for r, p in enumerate(sizes, 1))
+    assert len(set(sizes)) <= 64
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_padded_rows_match(dtype: torch.dtype) -> None:
+    """Rows padded to oneDNN's sizes come back as the rows asked for, each the product of its input."""
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(40, 24, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    linear = Linear(w, b, "onednn")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 5, 33, 257):
+        x = torch.randn(rows, 24, generator=gen).to(dtype)
+        got = linear(x)
+        assert got.shape == (rows, 40) and got.is_contiguous()
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(
