@@ -86,6 +86,17 @@ inline __m512 dot_partial(const __m512* qv, const T* key) {
   return acc;
 }
 
+// Sixteen tokens' scores for each of the `group` query heads: key u is `row(u)`.
+template <typename K, int NV, typename Row>
+inline void score_16(const float* qf, int64_t group, Row row, __m512 vscale, float* scores, int64_t n) {
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qv[NV], acc[16];
+    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
+    for (int u = 0; u < 16; ++u) acc[u] = dot_partial<K, NV>(qv, row(u));
+    _mm512_storeu_ps(scores + j * n, _mm512_mul_ps(sum16(acc), vscale));
+  }
+}
+
 template <typename T, int NV>
 void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n, float scale, float* scores) {
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -94,23 +105,12 @@ void scores_simd(const float* qf, int64_t group, const T* const* keys, int64_t n
     // the next sixteen keys start coming from memory while these are used
     for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<T, NV>(keys[u]);
     if (std::is_same_v<T, float> || group == 1) {
-      for (int64_t j = 0; j < group; ++j) {
-        __m512 qv[NV], acc[16];
-        for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
-        for (int u = 0; u < 16; ++u) acc[u] = dot_partial<T, NV>(qv, keys[t + u]);
-        _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
-      }
-      continue;
-    }
-    // bfloat16, several query heads a kv head: the keys widened (exactly) once, not once a head
-    alignas(64) float kf[16 * 16 * NV];
-    for (int u = 0; u < 16; ++u)
-      for (int i = 0; i < NV; ++i) _mm512_store_ps(kf + (u * NV + i) * 16, load16(keys[t + u] + 16 * i));
-    for (int64_t j = 0; j < group; ++j) {
-      __m512 qv[NV], acc[16];
-      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qf + j * 16 * NV + 16 * i);
-      for (int u = 0; u < 16; ++u) acc[u] = dot_partial<float, NV>(qv, kf + u * NV * 16);
-      _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
+      score_16<T, NV>(qf, group, [&](int u) { return keys[t + u]; }, vscale, scores + t, n);
+    } else {  // bfloat16 keys shared by several query heads: widened (exactly) once, not once a head
+      alignas(64) float kf[16 * 16 * NV];
+      for (int u = 0; u < 16; ++u)
+        for (int i = 0; i < NV; ++i) _mm512_store_ps(kf + (u * NV + i) * 16, load16(keys[t + u] + 16 * i));
+      score_16<float, NV>(qf, group, [&](int u) { return kf + u * NV * 16; }, vscale, scores + t, n);
     }
   }
   for (; t < n; ++t) {

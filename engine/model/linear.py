@@ -92,11 +92,9 @@ class Linear(nn.Module):
             return self.gemm(x)
         if self.kernel == "onednn":
             rows = x.shape[0]
-            padded = onednn_rows(rows)
-            if padded != rows:
+            if (padded := onednn_rows(rows)) != rows:
                 x = F.pad(x, (0, 0, 0, padded - rows))
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
 
 
