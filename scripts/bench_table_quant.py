@@ -38,18 +38,32 @@ def table_quant_kernels(r: Sequence[Result]) -> list[str]:
 def table_quant_perplexity(r: Sequence[Result]) -> list[str]:
     d = r[0]
     scored = d["tokens"]["scored"]
+    tokens = d["token_logprob_difference"]
+
+    def per_token(key: str) -> str:  # against float32: the mean (what moves perplexity) and the mean size
+        t = tokens[key]
+        return f"{t['mean']:+.4f} ± {t['standard_error']:.4f} / {t['mean_abs']:.4f}"
+
     rows = [
-        ["llama.cpp (`llama-perplexity`), the Q4_1 GGUF", num(d["llama_cpp"]["perplexity"], 4), "—"],
+        [
+            "llama.cpp (`llama-perplexity`), the Q4_1 GGUF",
+            num(d["llama_cpp"]["perplexity"], 4),
+            "—",
+            per_token("llama_cpp_vs_ppserve_none"),
+        ],
         [
             "ppserve, kept quantized (`--quantization auto`)",
             num(d["ppserve_auto"]["perplexity"], 4),
             f"{num(100 * d['relative_difference']['ppserve_auto_vs_llama_cpp'], 3)}% from llama.cpp",
+            per_token("ppserve_auto_vs_ppserve_none"),
         ],
         [
             "ppserve, dequantized to float32 (`--quantization none`)",
             num(d["ppserve_none"]["perplexity"], 4),
             f"{num(100 * d['relative_difference']['ppserve_none_vs_transformers'], 4)}% from transformers",
+            "—",
         ],
-        ["transformers, dequantized to float32", num(d["transformers"]["perplexity"], 4), "—"],
+        ["transformers, dequantized to float32", num(d["transformers"]["perplexity"], 4), "—", "—"],
     ]
-    return markdown(["engine", f"perplexity ({scored} tokens)", "difference"], rows)
+    header = ["engine", f"perplexity ({scored} tokens)", "difference", "per token vs float32: mean ± s.e. / mean size"]
+    return markdown(header, rows)
