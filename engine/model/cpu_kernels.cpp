@@ -46,6 +46,45 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float: into the high h
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Sixteen floats rounded to T and back (bfloat16: to nearest even, NaN kept, as `store`).
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+}
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) {  // x already a bfloat16 value (round16)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+
+// exp(x) for SiLU, within 2 float32 ulps: libmvec's expf took half of silu_mul's time at prefill
+// sizes. 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is
+// exact), e^r by Cephes' expf polynomial, and 2^n applied by scalef, which overflows to infinity
+// and underflows to zero as exp does. x is clamped first (min/max with x second keep NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
 // The two loops over keys of a task with head_dim = 16 * NV, in registers.
 //
 // Scores: sixteen tokens' dot products with one query head are sixteen vectors of partial sums;
@@ -147,6 +186,38 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
 }
 #endif
 
+// s[0, n) -> exp(s - max s), each rounded to T (see round_as); returns the sum of the unrounded
+// values. In bfloat16 the scalar loops took a third of SmolLM2's decode attention.
+template <typename T>
+float softmax(float* s, int64_t n) {
+  float m = s[0];
+  float sum = 0.0f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(vm);
+  for (; t < n; ++t) m = s[t] > m ? s[t] : m;
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_storeu_ps(s + t, round16<T>(e));
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#else
+  for (t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+  t = 0;
+#endif
+  for (; t < n; ++t) {
+    const float e = expf(s[t] - m);
+    sum += e;
+    s[t] = round_as<T>(e);
+  }
+  return sum;
+}
+
 template <typename T>
 void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, T* out,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -207,19 +278,7 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
         }
       }
       float denom[64];  // heads per kv head: at most 64 (checked by the caller)
-      for (int64_t j = 0; j < group; ++j) {  // softmax over t
-        float* s = scores.data() + j * n;
-        float m = s[0];
-        for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-  #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = expf(s[t] - m);
-          sum += s[t];
-        }
-        denom[j] = sum;
-        for (int64_t t = 0; t < n; ++t) s[t] = round_as<T>(s[t]);
-      }
+      for (int64_t j = 0; j < group; ++j) denom[j] = softmax<T>(scores.data() + j * n, n);
       done = false;
   #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
@@ -267,46 +326,6 @@ void rms_norm(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t
   }
 }
 
-#if defined(__AVX512F__)
-// Sixteen floats rounded to T and back (bfloat16: to nearest even, NaN kept, as `store`).
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
-}
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(uint16_t* p, __m512 x) {  // x already a bfloat16 value (round16)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-}
-
-// exp(x) for SiLU, within 2 float32 ulps: libmvec's expf took half of silu_mul's time at prefill
-// sizes. 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is
-// exact), e^r by Cephes' expf polynomial, and 2^n applied by scalef, which overflows to infinity
-// and underflows to zero as exp does. x is clamped first (min/max with x second keep NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], silu rounded to T first (as F.silu(g) * u).
 template <typename T>
