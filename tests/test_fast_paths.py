@@ -88,6 +88,36 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.Monkey
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype) -> None:
+    """Fresh prompts given their keys as this step computed them (runs of equal length batched into
+    one SDPA call; a decode row, a continued chunk and a prompt of another length in between) come
+    out bitwise as with every prompt's keys gathered from the cache, on both windows."""
+
+    class Span:
+        def __init__(self, start: int, num_new: int, table: list[int]) -> None:
+            self.start, self.num_new, self.block_table = start, num_new, table
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim, block_size = 6, 2, 16, 4
+    spans = [Span(0, 7, [1, 2]), Span(0, 7, [3, 4]), Span(5, 1, [5, 6]), Span(0, 7, [7, 8]), Span(0, 7, [9, 10])]
+    spans += [Span(0, 5, [11, 12]), Span(0, 7, [13, 14]), Span(6, 3, [15, 16, 17]), Span(0, 7, [18, 19])]
+    md = AttentionMetadata.build(spans, block_size, torch.device("cpu"), windows=(None, 3))
+    n = sum(s.num_new for s in spans)
+    k_cache, v_cache = torch.randn(2, 24, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+    attention.write_kv(k_cache, v_cache, k, v, md)
+    for window in (None, 3):
+        gathered = paged_attention(q, k_cache, v_cache, md, 0.25, window)
+        in_place = paged_attention(q, k_cache, v_cache, md, 0.25, window, k, v)
+        assert torch.equal(in_place, gathered)
+    # (and the keys given are the ones read, for the fresh prompts without a window)
+    doubled = paged_attention(q, k_cache, v_cache, md, 0.25, None, k * 2, v)
+    assert not torch.equal(doubled, paged_attention(q, k_cache, v_cache, md, 0.25, None))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_linear_matches_separate(dtype: torch.dtype) -> None:
     torch.manual_seed(0)

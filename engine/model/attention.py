@@ -237,10 +237,14 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     window: int | None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim].
 
-    The current step's keys/values must already be in the cache (see `write_kv`).
+    The current step's keys/values must already be in the cache (see `write_kv`). `k`, `v`: the
+    same, [num_tokens, kv_heads, head_dim], where the caller has them: a fresh prompt's keys are
+    all this step's, so they are read there rather than gathered from the cache.
     """
     d = md.decode
     decoded = None
@@ -253,7 +257,32 @@ def paged_attention(
             return decoded
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    for group in md.prefills:
+    groups, i = md.prefills, 0
+    while i < len(groups):
+        group = groups[i]
+        i += 1
+        if k is not None and v is not None and group.masks[window] is None:
+            # Fresh prompts (plain causal): those of the same length that follow each other in the
+            # batch go to SDPA as one batch, with their keys where this step computed them (each
+            # row's result is bitwise that of a call of its own on gathered keys; SmolLM2's
+            # bfloat16 prefill step of 11 prompts: 30 layers' attention 96 -> 81 ms).
+            n, end = group.context_len, group.rows.stop
+            while i < len(groups) and groups[i].masks[window] is None and groups[i].context_len == n:
+                if groups[i].rows.start != end:  # decode rows in between
+                    break
+                end, i = groups[i].rows.stop, i + 1
+            rows = slice(group.rows.start, end)
+            b = (end - group.rows.start) // n
+            o = F.scaled_dot_product_attention(
+                q[rows].view(b, n, -1, head_dim).transpose(1, 2),
+                k[rows].view(b, n, kv_heads, head_dim).transpose(1, 2),
+                v[rows].view(b, n, kv_heads, head_dim).transpose(1, 2),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = o.transpose(1, 2).reshape(end - group.rows.start, -1, head_dim)
+            continue
         # keys: [1, kv_heads, context_len, head_dim]
         keys = md.buffers.gather(0, k_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
         values = md.buffers.gather(1, v_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]

@@ -124,7 +124,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv[0], kv[1], k, v, md)
-        out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window)
+        out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window, k, v)
         return self.out(out.reshape(n, self.num_heads * self.head_dim))
 
 
