@@ -65,8 +65,8 @@ inline void store16(uint16_t* p, __m512 x) {  // x already a bfloat16 value (rou
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 
-// exp(x) for SiLU, within 2 float32 ulps: libmvec's expf took half of silu_mul's time at prefill
-// sizes. 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is
+// exp(x) for SiLU and decode attention's softmax, within 2 float32 ulps: libmvec's expf took half
+// of silu_mul's time at prefill sizes. 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is
 // exact), e^r by Cephes' expf polynomial, and 2^n applied by scalef, which overflows to infinity
 // and underflows to zero as exp does. x is clamped first (min/max with x second keep NaN).
 inline __m512 exp16(__m512 x) {
