@@ -108,8 +108,9 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
 //         scales and mins fp16 [16] each, w = q * scale + min (GGUF's Q4_1; Q4_0's min is -8 scale)
 //   int8: 512 bytes, chunk t: lane l's byte k = w[l][4t + k] + 128 (vpdpbusd multiplies unsigned by
 //         signed bytes; the 128 * sum(x) it adds is taken off again); scales fp16 [16], w = q * scale
-// At batch 1 this reads the weights at about memory speed; at 32 and 256 rows it takes 0.7-0.9x
-// the time of oneDNN's bfloat16 GEMM and 0.35-0.4x that of torch's int4 kernel (scripts/bench_quant.py).
+// At batch 1 this reads the weights at about memory speed; at 32 and 256 rows it takes 0.4-0.5x the
+// time of torch's int4 kernel, and 0.6-0.7x float32's (scripts/bench_quant.py; where oneDNN's
+// bfloat16 runs on AMX tiles, that is faster from 32 rows on).
 constexpr int64_t kQBlock = 32;  // inputs per scale, of weights and activations alike
 constexpr int64_t kQLanes = 16;  // output rows per group
 constexpr int kQRows = 8;        // activation rows per pass over a group's weights

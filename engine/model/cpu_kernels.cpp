@@ -345,7 +345,6 @@ void rms_norm(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t
   }
 }
 
-
 // out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], silu rounded to T first (as F.silu(g) * u).
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
