@@ -192,6 +192,30 @@ def test_float_gemm_row_does_not_depend_on_batch() -> None:
         assert torch.equal(linear(x[start : start + rows]), whole[start : start + rows])
 
 
+@pytest.mark.skipif(
+    not cpu_kernels.float_gemm_available(torch.device("cpu"), torch.float32), reason="no AVX-512: oneDNN runs"
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gate_up_with_silu_equals_gemm_then_silu_mul(bias: bool) -> None:
+    """An MLP's gate/up linear with the SiLU in its GEMM gives bitwise what the plain GEMM followed
+    by silu_mul gives, at M = 1, 7, 32 and 200 and past a 256-row chunk; NaN and infinity included.
+    A width that is not a multiple of 32 keeps the plain GEMM (the caller applies the SiLU)."""
+    gen = torch.Generator().manual_seed(int(bias))
+    dim, inp = 96, 72
+    w = torch.randn(2 * dim, inp, generator=gen)
+    b = torch.randn(2 * dim, generator=gen) * 4 if bias else None
+    fused, plain = Linear(w, b, "ppserve", gated=True), Linear(w, b, "ppserve")
+    assert fused.silu and not plain.silu
+    for rows in (1, 7, 32, 200, 300):
+        x = torch.randn(rows, inp, generator=gen) * 3
+        x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+        got = fused(x)
+        assert got.shape == (rows, dim)
+        assert torch.equal(got.nan_to_num(7.0), cpu_kernels.silu_mul(plain(x)).nan_to_num(7.0))
+    odd = Linear(torch.randn(2 * 40, inp, generator=gen), None, "ppserve", gated=True)
+    assert not odd.silu and odd(x).shape == (300, 80)
+
+
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference in units of the last place of `want`'s dtype."""
     eps = torch.finfo(want.dtype).eps

@@ -65,26 +65,6 @@ inline void store16(uint16_t* p, __m512 x) {  // x already a bfloat16 value (rou
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 
-// exp(x) for SiLU and decode attention's softmax, within 2 float32 ulps: libmvec's expf took half
-// of silu_mul's time at prefill sizes. 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is
-// exact), e^r by Cephes' expf polynomial, and 2^n applied by scalef, which overflows to infinity
-// and underflows to zero as exp does. x is clamped first (min/max with x second keep NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The two loops over keys of a task with head_dim = 16 * NV, in registers.
 //
 // Scores: sixteen tokens' dot products with one query head are sixteen vectors of partial sums;
@@ -355,10 +335,9 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
     T* o = out + r * dim;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= dim; i += 16) {
       const __m512 x = load16(g + i);
-      const __m512 s = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+      const __m512 s = round16<T>(silu16(x));
       store16(o + i, round16<T>(_mm512_mul_ps(s, load16(u + i))));
     }
 #endif

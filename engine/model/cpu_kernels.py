@@ -70,7 +70,7 @@ _F32_ARGTYPES = {
 }
 # Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
-_FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3}  # float32 only
+_FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3, "float_gemm_silu": [_PTR] * 4 + [_INT64] * 3}  # float32 only
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf. GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the
@@ -168,9 +168,16 @@ class PackedGemm:
     looked up once: a step calls this some hundred times."""
 
     def __init__(
-        self, kernel: str, dtype: torch.dtype, tensors: tuple[torch.Tensor | None, ...], out_features: int
+        self,
+        kernel: str,
+        dtype: torch.dtype,
+        tensors: tuple[torch.Tensor | None, ...],
+        out_features: int,
+        rows: int | None = None,
     ) -> None:
+        """`rows`: the weight's rows (the kernel's N), where they are not `out_features`."""
         self.kernel, self.dtype, self.out_features = kernel, dtype, out_features
+        self.rows = out_features if rows is None else rows
         self.fn = _kernel(kernel, dtype)
         self.tensors = tensors  # alive as long as their pointers are
         self.pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
@@ -180,15 +187,21 @@ class PackedGemm:
         assert x.dtype == self.dtype
         x = x.contiguous()
         y = x.new_empty(x.shape[0], self.out_features)
-        self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.out_features, x.shape[1])
+        self.fn(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0], self.rows, x.shape[1])
         return y
 
 
 class FloatGemm(PackedGemm):
-    """ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it."""
+    """ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it. With `silu`, W is an
+    MLP's gate and up projections interleaved (linear.py's `interleave_gate_up`), and the output
+    SiLU(gate) * up, half as wide."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
-        super().__init__("float_gemm", torch.float32, (weight, bias), out_features)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu: bool = False) -> None:
+        tensors = (weight, bias)
+        if silu:
+            super().__init__("float_gemm_silu", torch.float32, tensors, out_features // 2, out_features)
+        else:
+            super().__init__("float_gemm", torch.float32, tensors, out_features)
 
 
 def decode_layers(dtype: torch.dtype) -> Callable[..., int] | None:

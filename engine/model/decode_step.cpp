@@ -15,12 +15,12 @@
 
 // One linear: y = x @ W.T + b by the GEMM `kind` names, with its packed weight's tensors.
 struct Gemm {
-  int64_t kind;  // 0: float_gemm (float32 only); 4, 8: quant_gemm_q4, quant_gemm_q8; 1: the caller's
+  int64_t kind;  // 0, 2: float_gemm, float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's
   const void* weight;
   const void* scales;  // quantized only
   const void* mins;    // 4 bits only
   const void* bias;    // or null
-  int64_t out_features;
+  int64_t out_features;  // the weight's rows (float_gemm_silu's output is half as wide)
   int64_t in_features;
 };
 
@@ -123,6 +123,21 @@ T* gemm(const Gemm& g, const T* x, T* y, int64_t rows, LinearFn linear, int64_t 
   std::abort();  // decode_step.py passes only the kinds this library has
 }
 
+// SiLU(gate) * up into `act` where the gate/up linear is float_gemm_silu; false for any other.
+template <typename T>
+bool silu_gemm(const Gemm& g, const T* x, T* act, int64_t rows) {
+#if defined(PPSERVE_FLOAT_GEMM)
+  if constexpr (std::is_same_v<T, float>) {
+    if (g.kind == 2) {
+      float_gemm_silu_f32(x, static_cast<const float*>(g.weight), static_cast<const float*>(g.bias), act, rows,
+                          g.out_features, g.in_features);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // Row r of `src` (rows `stride` apart) to row r of `dst` (packed), `width` values each.
 template <typename T>
 void rows(const T* src, int64_t stride, T* dst, int64_t width, int64_t n) {
@@ -180,9 +195,11 @@ int decode_layers(const Layer* layers, int64_t num_layers, const Dims& d, const 
     const T* proj = gemm(l.out, attn, static_cast<T*>(buf.proj), n, linear, i, 1);
     if (proj == nullptr) return 1;
     norm(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
-    const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
-    if (gate_up == nullptr) return 1;
-    silu_mul(gate_up, act, n, l.gate_up.out_features / 2);
+    if (!silu_gemm(l.gate_up, normed, act, n)) {
+      const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
+      if (gate_up == nullptr) return 1;
+      silu_mul(gate_up, act, n, l.gate_up.out_features / 2);
+    }
     pending = gemm(l.down, act, static_cast<T*>(buf.pending), n, linear, i, 3);
     if (pending == nullptr) return 1;
   }

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # model.py builds a DecodeStep
 
 # A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm; the others
 # are the caller's (kind 1), run through the callback.
-_KINDS = {"float_gemm": 0, "quant_gemm_q4": 4, "quant_gemm_q8": 8}
+_KINDS = {"float_gemm": 0, "float_gemm_silu": 2, "quant_gemm_q4": 4, "quant_gemm_q8": 8}
 _CALLBACK = 1
 
 
@@ -82,7 +82,7 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
         return _Gemm(_CALLBACK, None, None, None, None, linear.out_features, linear.in_features)
     *weights, bias = packed.pointers  # (weight, bias) or (weight, scales, mins, bias)
     weight, scales, mins = (*weights, None, None)[:3]
-    return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.out_features, linear.in_features)
+    return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
 class DecodeStep:

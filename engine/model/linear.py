@@ -66,18 +66,33 @@ def pack_float_lanes(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, LANES, inp).transpose(1, 2).contiguous()
 
 
-class Linear(nn.Module):
-    """y = x @ W.T + b for x: [rows, in_features] -> [rows, out_features]."""
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """An MLP's [gate; up] weight ([2 * dim, in]) or bias ([2 * dim]) in float_gemm_silu's order:
+    16 rows of gate, the same 16 of up, the next 16 of gate, and so on (dim a multiple of 16)."""
+    gate, up = t.chunk(2)
+    return torch.stack([gate.unflatten(0, (-1, 16)), up.unflatten(0, (-1, 16))], dim=1).flatten(0, 2)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
-        """`kernel`: one of KERNELS (scripts/bench_quant.py times them); by default `default_kernel`."""
+
+class Linear(nn.Module):
+    """y = x @ W.T + b for x: [rows, in_features] -> [rows, out_features]; with `silu` (an MLP's
+    gate and up projections, see `__init__`), SiLU(gate) * up: [rows, out_features // 2]."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None, gated: bool = False
+    ) -> None:
+        """`kernel`: one of KERNELS (scripts/bench_quant.py times them); by default `default_kernel`.
+        `gated`: the weight is an MLP's [gate; up]. Where ppserve's GEMM runs it, the SiLU is done
+        on its output registers (`silu` is then True); elsewhere the caller applies it."""
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.kernel = kernel or default_kernel(weight.device, weight.dtype)
         self.gemm: cpu_kernels.FloatGemm | None = None
+        self.silu = gated and self.kernel == "ppserve" and self.out_features % 32 == 0
+        if self.silu:
+            weight, bias = interleave_gate_up(weight), None if bias is None else interleave_gate_up(bias)
         if self.kernel == "ppserve":
             w = pack_float_lanes(weight)
-            self.gemm = cpu_kernels.FloatGemm(w, bias, self.out_features)
+            self.gemm = cpu_kernels.FloatGemm(w, bias, self.out_features, silu=self.silu)
         elif self.kernel == "onednn":
             w = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         else:
@@ -99,9 +114,10 @@ class Linear(nn.Module):
 
 
 def fuse_linears(
-    linears: Sequence[nn.Linear], dtype: torch.dtype, device: torch.device, int8: bool = False
+    linears: Sequence[nn.Linear], dtype: torch.dtype, device: torch.device, int8: bool = False, gated: bool = False
 ) -> Linear | QuantLinear:
-    """One linear whose output is the given layers' outputs side by side (same input).
+    """One linear whose output is the given layers' outputs side by side (same input); `gated`: they
+    are an MLP's gate and up projections (see `Linear`).
 
     A layer loaded as a quantized weight (its `quant` attribute, engine/model/weights.py) stays
     quantized, and so does the group; `int8` quantizes float weights to int8 (--quantization int8)."""
@@ -122,4 +138,4 @@ def fuse_linears(
         ]
         return QuantLinear(concat(ws), bias, dtype, device)
     weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-    return Linear(weight.contiguous(), bias)
+    return Linear(weight.contiguous(), bias, gated=gated)

@@ -139,11 +139,13 @@ class MLP(nn.Module):
         self.fast = False  # SiLU(gate) * up by the CPU kernel; set by StageModel.fuse
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8)
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8, gated=True)
         self.down = fuse_linears([self.down_proj], dtype, device, int8)
         del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up, Linear) and self.gate_up.silu:  # its GEMM applied the SiLU
+            return self.down(self.gate_up(x))
         gate_up = self.gate_up(x)
         if self.fast:
             return self.down(cpu_kernels.silu_mul(gate_up))
