@@ -70,7 +70,7 @@ _F32_ARGTYPES = {
 }
 # Built only for some CPUs (see cpu_gemm.cpp): each present or absent as a whole.
 _QUANT_ARGTYPES = {"quant_gemm_q4": [_PTR] * 6 + [_INT64] * 3, "quant_gemm_q8": [_PTR] * 6 + [_INT64] * 3}
-_FLOAT_GEMM_ARGTYPES = {"float_gemm": [_PTR] * 4 + [_INT64] * 3, "float_gemm_silu": [_PTR] * 4 + [_INT64] * 3}  # float32 only
+_FLOAT_GEMM_ARGTYPES = {name: [_PTR] * 4 + [_INT64] * 3 for name in ("float_gemm", "float_gemm_silu")}  # float32 only
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
 # vector expf. GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the
