@@ -34,7 +34,8 @@ constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group'
 // One group against activation rows x[0, R): acc[2i + h] lane l = y[i][16h + l] (without bias).
 // With `next` (the next group's weights), their lines are asked into the cache on the way.
 template <int R>
-[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next, __m512* acc) {
+[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next,
+                                               __m512* acc) {
   for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     if (next != nullptr) {
@@ -51,7 +52,8 @@ template <int R>
 }
 
 template <int R>
-[[gnu::always_inline]] inline void float_rows(int rows, const float* x, int64_t K, const float* w, const float* next, __m512* acc) {
+[[gnu::always_inline]] inline void float_rows(int rows, const float* x, int64_t K, const float* w,
+                                              const float* next, __m512* acc) {
   // the rows' accumulators stay in registers: one instance per count, inlined (or `acc` would be
   // memory, and the GEMM 2x slower)
   if constexpr (R == 1) {
@@ -230,8 +232,7 @@ void quant_gemm(const T* x, const uint8_t* w, const uint16_t* scales, const uint
       const uint16_t* sg = scales + g * blocks * kQLanes;
       const uint16_t* mg = Bits == 4 ? mins + g * blocks * kQLanes : nullptr;
       __m512 acc[kQRows];
-      switch (rows) {  // the rows' accumulators stay in registers: one instance per count, inlined (or `acc` would be
-  // memory, and the GEMM 2x slower)
+      switch (rows) {  // the rows' accumulators stay in registers: one instance per count
         case 8: quant_group<Bits, 8>(wg, sg, mg, acts, m0, K, acc); break;
         case 7: quant_group<Bits, 7>(wg, sg, mg, acts, m0, K, acc); break;
         case 6: quant_group<Bits, 6>(wg, sg, mg, acts, m0, K, acc); break;
