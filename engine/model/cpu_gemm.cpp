@@ -32,7 +32,7 @@ constexpr int64_t kFLanes = 32;   // output rows per group: two 16-lane register
 constexpr int kFRows = 8;         // activation rows per pass over a group's weights
 constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group's weights in cache
 
-// One group against activation rows x[0, R): acc[2i + h] lane l = y[i][16h + l] (without bias).
+// One group against activation rows x[0, R): out[2i + h] lane l = y[i][16h + l] (without bias).
 // With `next` (the next group's weights), their lines are asked into the cache on the way.
 template <int R>
 [[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next,
