@@ -33,6 +33,8 @@ SPECS = {
         overrides=(("use_sliding_window", True), ("sliding_window", 16), ("max_window_layers", 2)),
     ),
     "qwen3-bias-tied": TinySpec(arch="qwen3", seed=7, tie_word_embeddings=True, overrides=(("attention_bias", True),)),
+    # head_dim 64: the prefill attention kernel's (engine/model/cpu_kernels.cpp), with a window.
+    "mistral-hd64": TinySpec(arch="mistral", seed=8, head_dim=64, sliding_window=24),
 }
 ARCHS = list(SPECS)
 

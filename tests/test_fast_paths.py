@@ -68,18 +68,62 @@ def test_kernel_matches_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, head
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mixed batch (prefill chunks and decodes, in any order) through both decode paths."""
+def prefill_reference(q, k, v, batch, scale, window):  # type: ignore[no-untyped-def]
+    """Causal attention in float64, prompt by prompt: query i of nq at position nk - nq + i."""
+    out = []
+    group = q.shape[1] // k.shape[1]
+    for qb, kb, vb in zip(q.chunk(batch), k.chunk(batch), v.chunk(batch), strict=True):
+        nq, nk = qb.shape[0], kb.shape[0]
+        q_pos, k_pos = torch.arange(nk - nq, nk)[:, None], torch.arange(nk)[None, :]
+        allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        keys, values = (t.double().transpose(0, 1).repeat_interleave(group, 0) for t in (kb, vb))
+        scores = (qb.double().transpose(0, 1) @ keys.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+        out.append((scores.softmax(-1) @ values).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(not cpu_kernels.prefill_available(torch.device("cpu"), torch.float32, 64), reason="no AVX-512 BF16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 2, 128), (8, 8, 64)])
+@pytest.mark.parametrize(
+    ("batch", "nq", "nk", "window"),
+    [(3, 37, 37, None), (1, 1, 1, None), (1, 300, 300, None), (2, 20, 53, None), (1, 5, 100, 7), (2, 64, 64, 17)],
+)
+def test_prefill_kernel_matches_reference(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, batch: int, nq: int, nk: int, window: int | None
+) -> None:
+    """Fresh prompts (nq == nk, several in one call), chunks after a prefix, sliding windows; q, k
+    and v the strided views of one projection, as a layer hands them over."""
+    gen = torch.Generator().manual_seed(heads * nk + nq)
+    qkv = torch.randn(batch * nk, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    q = q.view(-1, heads, head_dim) if nq == nk else torch.randn(batch * nq, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    got = cpu_kernels.prefill_attention(q, k, v, batch, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), prefill_reference(q, k, v, batch, scale, window), atol=tol, rtol=tol)
+    # Each prompt's rows are those of a call of its own.
+    for b in range(batch):
+        alone = cpu_kernels.prefill_attention(q.chunk(batch)[b], k.chunk(batch)[b], v.chunk(batch)[b], 1, scale, window)
+        assert torch.equal(alone, got.chunk(batch)[b])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # SDPA's prefill, and the kernel's where it has one
+def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> None:
+    """A mixed batch (prefill chunks and decodes, in any order) through the kernels and through SDPA."""
 
     class Span:
         def __init__(self, start: int, num_new: int, table: list[int]) -> None:
             self.start, self.num_new, self.block_table = start, num_new, table
 
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = torch.randn(2, 40, 4, 2, 16, generator=gen)
+    k_cache, v_cache = torch.randn(2, 40, 4, 2, head_dim, generator=gen)
     spans = [Span(9, 1, [5, 2, 7]), Span(0, 6, [1, 3]), Span(3, 1, [0]), Span(20, 1, [8, 9, 10, 11, 12, 13])]
+    spans += [Span(5, 6, [14, 15, 16])]
     md = AttentionMetadata.build(spans, 4, torch.device("cpu"), windows=(None, 3))
-    q = torch.randn(sum(s.num_new for s in spans), 4, 16, generator=gen)
+    q = torch.randn(sum(s.num_new for s in spans), 4, head_dim, generator=gen)
     for window in (None, 3):
         fast = paged_attention(q, k_cache, v_cache, md, 0.25, window)
         monkeypatch.setattr(attention.kernel, "available", lambda device, dtype: False)
@@ -89,17 +133,18 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])  # SDPA's prefill, and the kernel's where it has one
+def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype, head_dim: int) -> None:
     """Fresh prompts given their keys as this step computed them (runs of equal length batched into
-    one SDPA call; a decode row, a continued chunk and a prompt of another length in between) come
-    out bitwise as with every prompt's keys gathered from the cache, on both windows."""
+    one call; a decode row, a continued chunk and a prompt of another length in between) come out
+    bitwise as with every prompt's keys gathered from the cache, on both windows."""
 
     class Span:
         def __init__(self, start: int, num_new: int, table: list[int]) -> None:
             self.start, self.num_new, self.block_table = start, num_new, table
 
     gen = torch.Generator().manual_seed(4)
-    heads, kv_heads, head_dim, block_size = 6, 2, 16, 4
+    heads, kv_heads, block_size = 6, 2, 4
     spans = [Span(0, 7, [1, 2]), Span(0, 7, [3, 4]), Span(5, 1, [5, 6]), Span(0, 7, [7, 8]), Span(0, 7, [9, 10])]
     spans += [Span(0, 5, [11, 12]), Span(0, 7, [13, 14]), Span(6, 3, [15, 16, 17]), Span(0, 7, [18, 19])]
     md = AttentionMetadata.build(spans, block_size, torch.device("cpu"), windows=(None, 3))

@@ -6,10 +6,12 @@ contributes `num_new` tokens starting at position `start`, so its queries see ke
 the case num_new == 1; a prefill chunk after an existing prefix is the general case; nothing here
 knows the difference except for batching.
 
-Prefill chunks gather their request's keys/values from its blocks and call torch SDPA, one call
-per chunk. Decode tokens (one query each) go to the CPU kernel of engine/model/cpu_kernels.py,
-which reads the cache in place; elsewhere (CUDA, or no compiler) they are batched into one SDPA
-call over gathered keys, padded to the longest context and masked.
+Prefill chunks gather their request's keys/values from its blocks (a fresh prompt's are this
+step's own, read where they were computed) and go to the prefill kernel of
+engine/model/cpu_kernels.py, one call per chunk or per run of fresh prompts of one length; where it
+is missing (CUDA, no compiler, no AVX-512 BF16, another head_dim) to torch SDPA. Decode tokens (one
+query each) go to the decode kernel, which reads the cache in place; elsewhere they are batched
+into one SDPA call over gathered keys, padded to the longest context and masked.
 """
 
 from __future__ import annotations
@@ -257,22 +259,33 @@ def paged_attention(
             return decoded
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    own_kernel = kernel.prefill_available(q.device, q.dtype, head_dim)
+
+    def fresh(group: PrefillGroup) -> bool:  # a whole prompt: its keys are this step's, in k and v
+        return k is not None and group.context_len == group.rows.stop - group.rows.start
+
     groups, i = md.prefills, 0
     while i < len(groups):
         group = groups[i]
         i += 1
-        if k is not None and v is not None and group.masks[window] is None:
-            # Fresh prompts (plain causal): those of the same length that follow each other in the
-            # batch go to SDPA as one batch, with their keys where this step computed them (each
-            # row's result is bitwise that of a call of its own on gathered keys; SmolLM2's
-            # bfloat16 prefill step of 11 prompts: 30 layers' attention 96 -> 81 ms).
+        if fresh(group) and (own_kernel or group.masks[window] is None):
+            # Fresh prompts: those of the same length that follow each other in the batch go to the
+            # kernel (or, plain causal, to SDPA) as one batch, with their keys where this step
+            # computed them (each row's result is bitwise that of a call of its own on gathered
+            # keys; SmolLM2's bfloat16 prefill step of 11 prompts, SDPA: 30 layers' attention
+            # 96 -> 81 ms).
             n, end = group.context_len, group.rows.stop
-            while i < len(groups) and groups[i].masks[window] is None and groups[i].context_len == n:
-                if groups[i].rows.start != end:  # decode rows in between
-                    break
+            while i < len(groups) and fresh(groups[i]) and groups[i].context_len == n:
+                if groups[i].rows.start != end or not (own_kernel or groups[i].masks[window] is None):
+                    break  # decode rows in between, or SDPA and a window
                 end, i = groups[i].rows.stop, i + 1
             rows = slice(group.rows.start, end)
             b = (end - group.rows.start) // n
+            assert k is not None and v is not None
+            if own_kernel:
+                with torch.profiler.record_function("ppserve::prefill_attention"):
+                    kernel.prefill_attention(q[rows], k[rows], v[rows], b, scale, window, out=out[rows])
+                continue
             o = F.scaled_dot_product_attention(
                 q[rows].view(b, n, -1, head_dim).transpose(1, 2),
                 k[rows].view(b, n, kv_heads, head_dim).transpose(1, 2),
@@ -283,9 +296,13 @@ def paged_attention(
             )
             out[rows] = o.transpose(1, 2).reshape(end - group.rows.start, -1, head_dim)
             continue
-        # keys: [1, kv_heads, context_len, head_dim]
+        # keys: [context_len, kv_heads, head_dim]
         keys = md.buffers.gather(0, k_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
         values = md.buffers.gather(1, v_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
+        if own_kernel:
+            with torch.profiler.record_function("ppserve::prefill_attention"):
+                kernel.prefill_attention(q[group.rows], keys, values, 1, scale, window, out=out[group.rows])
+            continue
         query = q[group.rows].transpose(0, 1).unsqueeze(0)
         mask = group.masks[window]
         o = F.scaled_dot_product_attention(
