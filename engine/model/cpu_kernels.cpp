@@ -166,6 +166,98 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
       for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + (j0 + j) * 16 * NV + 16 * i, acc[j][i]);
   }
 }
+
+#if defined(__AVX512BF16__)
+// The same two loops for bfloat16 with the CPU's bfloat16 dot products (vdpbf16ps: two products a
+// float lane), which take pairs of elements as they lie in memory: no widening to float, half the
+// multiply instructions (SmolLM2's bfloat16 decode step at 32 requests of 240 tokens, 30 layers'
+// attention: 17.3 -> 15.5 ms; what is left is mostly waiting on its 177 MB of keys and values
+// from memory).
+//
+// Scores: a query head's dot product with a key is NV / 2 of them over the raw rows.
+template <int NV>
+void scores_bf16(const uint16_t* qb, int64_t group, const uint16_t* const* keys, int64_t n, float scale,
+                 float* scores) {
+  constexpr int NP = NV / 2;  // 512-bit registers a row: 32 elements each
+  const __m512 vscale = _mm512_set1_ps(scale);
+  auto dot = [](const __m512i* qv, const uint16_t* key) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < NP; ++i)
+      acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(qv[i]), reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + 32 * i)));
+    return acc;
+  };
+  for (int64_t t = 0; t < n; t += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t);
+    for (int64_t u = t + 16; u < std::min(t + 32, n); ++u) prefetch_row<uint16_t, NV>(keys[u]);
+    for (int64_t j = 0; j < group; ++j) {
+      __m512i qv[NP];
+      for (int i = 0; i < NP; ++i) qv[i] = _mm512_loadu_si512(qb + j * 16 * NV + 32 * i);
+      if (m == 16) {
+        __m512 acc[16];
+        for (int u = 0; u < 16; ++u) acc[u] = dot(qv, keys[t + u]);
+        _mm512_storeu_ps(scores + j * n + t, _mm512_mul_ps(sum16(acc), vscale));
+      } else {
+        for (int64_t u = 0; u < m; ++u) scores[j * n + t + u] = _mm512_reduce_add_ps(dot(qv, keys[t + u])) * scale;
+      }
+    }
+  }
+}
+
+// Values: two tokens' rows interleaved element by element (vpunpck{l,h}wd, within 128-bit lanes)
+// are what a pair of probabilities multiplies; the accumulators hold the columns in that order,
+// put back in place at the end.
+template <int NV>
+void values_bf16(const float* probs, int64_t group, const uint16_t* const* values, int64_t n, float* acc_out) {
+  constexpr int JB = 16 / NV;
+  constexpr int64_t D = 16 * NV;
+  static const uint16_t zeros[16 * 8] = {};  // the row after an odd token count
+  const int64_t pairs = (n + 1) / 2;
+  thread_local std::vector<uint32_t> pw;  // [group][pairs]: probabilities as bfloat16 pairs
+  pw.resize(group * pairs);
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t t = 0; t < pairs; ++t) {
+      uint32_t lo, hi = 0;  // the probabilities are bfloat16 values already: their high halves
+      std::memcpy(&lo, probs + j * n + 2 * t, 4);
+      if (2 * t + 1 < n) std::memcpy(&hi, probs + j * n + 2 * t + 1, 4);
+      pw[j * pairs + t] = (lo >> 16) | (hi & 0xffff0000u);
+    }
+  for (int64_t j0 = 0; j0 < group; j0 += JB) {
+    const int64_t jn = std::min<int64_t>(JB, group - j0);
+    __m512 acc[JB][NV];
+    for (int j = 0; j < JB; ++j)
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; ++t) {
+      if (j0 == 0 && 2 * t + 32 < n) {
+        prefetch_row<uint16_t, NV>(values[2 * t + 32]);
+        if (2 * t + 32 + 1 < n) prefetch_row<uint16_t, NV>(values[2 * t + 32 + 1]);
+      }
+      const uint16_t* a = values[2 * t];
+      const uint16_t* b = 2 * t + 1 < n ? values[2 * t + 1] : zeros;
+      __m512i vv[NV];
+      for (int i = 0; i < NV / 2; ++i) {
+        const __m512i ra = _mm512_loadu_si512(a + 32 * i), rb = _mm512_loadu_si512(b + 32 * i);
+        vv[2 * i] = _mm512_unpacklo_epi16(ra, rb);
+        vv[2 * i + 1] = _mm512_unpackhi_epi16(ra, rb);
+      }
+      for (int j = 0; j < JB; ++j) {
+        const __m512i p = _mm512_set1_epi32(j < jn ? static_cast<int>(pw[(j0 + j) * pairs + t]) : 0);
+        for (int i = 0; i < NV; ++i)
+          acc[j][i] = _mm512_dpbf16_ps(acc[j][i], reinterpret_cast<__m512bh>(p), reinterpret_cast<__m512bh>(vv[i]));
+      }
+    }
+    for (int j = 0; j < jn; ++j) {
+      float* o = acc_out + (j0 + j) * D;
+      for (int i = 0; i < NV; ++i) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc[j][i]);
+        // lane k of register i: 128-bit lane k / 4 of the 32 columns from 32 * (i / 2), the low
+        // (even i) or high (odd i) four of that lane's eight
+        for (int k = 0; k < 16; ++k) o[32 * (i / 2) + 8 * (k / 4) + 4 * (i % 2) + k % 4] = lanes[k];
+      }
+    }
+  }
+}
+#endif
 #endif
 
 // s[0, n) -> exp(s - max s), each rounded to T (see round_as); returns the sum of the unrounded
@@ -244,7 +336,12 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
       bool done = false;
   #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
-        (head_dim == 64 ? scores_simd<T, 4> : scores_simd<T, 8>)(qf.data(), group, keys.data(), n, scale, scores.data());
+  #if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          (head_dim == 64 ? scores_bf16<4> : scores_bf16<8>)(qb, group, keys.data(), n, scale, scores.data());
+        } else
+  #endif
+          (head_dim == 64 ? scores_simd<T, 4> : scores_simd<T, 8>)(qf.data(), group, keys.data(), n, scale, scores.data());
         done = true;
       }
   #endif
@@ -264,7 +361,12 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
       done = false;
   #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
-        (head_dim == 64 ? values_simd<T, 4> : values_simd<T, 8>)(scores.data(), group, values.data(), n, acc.data());
+  #if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          (head_dim == 64 ? values_bf16<4> : values_bf16<8>)(scores.data(), group, values.data(), n, acc.data());
+        } else
+  #endif
+          (head_dim == 64 ? values_simd<T, 4> : values_simd<T, 8>)(scores.data(), group, values.data(), n, acc.data());
         done = true;
       }
   #endif
