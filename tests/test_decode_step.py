@@ -14,7 +14,7 @@ from gguf_files import write_gguf
 from helpers import random_prompt
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model import cpu_kernels, linear
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.transport.messages import SeqChunk
 
@@ -88,15 +88,17 @@ def test_equals_layers_with_gguf_types(llama_dir: Path, tmp_path: Path, qtype: Q
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "qwen3-bias-tied"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_bfloat16_equals_layers(checkpoints: dict[str, Path], arch: str, quantization: str) -> None:
-    """bfloat16: its float linears are oneDNN's, which the step calls back for; its int8 linears
-    are the library's, with bfloat16 activations."""
+    """bfloat16: its float linears are the library's bfloat16 GEMM where the CPU has AVX-512 BF16
+    (else oneDNN's, which the step calls back for); its int8 linears are the library's, with
+    bfloat16 activations."""
     runners = _runners(checkpoints[arch], dtype="bfloat16", quantization=quantization)
     _check_equal_to_layers(runners, [9])
     _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
 
 
 def test_a_failed_callback_fails_the_step(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error in a linear that the C++ side calls back for stops the step and is raised."""
+    """An error in a linear that the C++ side calls back for (oneDNN's) stops the step and is raised."""
+    monkeypatch.setattr(linear, "default_kernel", lambda device, dtype: "onednn")
     runners = _runners(llama_dir, dtype="bfloat16")
     step = runners[0].model.decode_step
     assert step is not None

@@ -223,15 +223,38 @@ def test_float_gemm_within_float32_bound(out_features: int, in_features: int, bi
 
 
 @pytest.mark.skipif(
-    not cpu_kernels.float_gemm_available(torch.device("cpu"), torch.float32), reason="no AVX-512: oneDNN runs"
+    not cpu_kernels.float_gemm_available(torch.device("cpu"), torch.bfloat16), reason="no AVX-512 BF16: oneDNN runs"
 )
-def test_float_gemm_row_does_not_depend_on_batch() -> None:
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (45, 34), (7, 2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_gemm_within_bound(out_features: int, in_features: int, bias: bool) -> None:
+    """ppserve's bfloat16 GEMM against a float64 product of the same bfloat16 values, at M = 1, 7,
+    32 and 200: the float32 sum's error (as float_gemm's, see above) plus the output's rounding to
+    bfloat16 (half a unit in the last of its 8 bits)."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    linear = Linear(w, b, "ppserve")
+    assert linear.gemm is not None
+    for rows in (1, 7, 32, 200):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        want = x.double() @ w.double().T + (0 if b is None else b.double())
+        sums = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+        got = linear(x)
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs() <= (in_features + 1) * 2.0**-24 * sums + want.abs() * 2.0**-8).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_gemm_row_does_not_depend_on_batch(dtype: torch.dtype) -> None:
     """A row's output is bitwise the same alone, in any pass of 8 rows, and past a chunk of 256:
     a request's tokens come out the same in whatever micro-batch the pipeline puts them."""
+    if not cpu_kernels.float_gemm_available(torch.device("cpu"), dtype):
+        pytest.skip("no ppserve GEMM for this dtype here: oneDNN runs")
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(100, 64, generator=gen), torch.randn(100, generator=gen)
+    w, b = torch.randn(100, 64, generator=gen).to(dtype), torch.randn(100, generator=gen).to(dtype)
     linear = Linear(w, b, "ppserve")
-    x = torch.randn(300, 64, generator=gen)
+    x = torch.randn(300, 64, generator=gen).to(dtype)
     whole = linear(x)
     for start, rows in [(0, 1), (5, 1), (3, 7), (250, 9), (299, 1), (100, 200)]:
         assert torch.equal(linear(x[start : start + rows]), whole[start : start + rows])

@@ -7,6 +7,7 @@
 //   them into two registers: no horizontal sums, and one code path from batch 1 (a pass over the
 //   weights at memory speed) to prefill (8 rows per pass, the weights of a group kept in cache).
 //   float_gemm_silu: the same for an MLP's gate and up projections, SiLU(gate) * up its output.
+//   float_gemm_bf16: bfloat16, the same layout by pairs of inputs (built where the CPU has AVX-512 BF16).
 // - quant_gemm_q4 / quant_gemm_q8: W kept as 4- or 8-bit integers (built only where the CPU has
 //   AVX-512 VNNI).
 
@@ -119,6 +120,92 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
     }
   }
 }
+
+#if defined(PPSERVE_BF16_GEMM)
+// The same GEMM on bfloat16 weights and activations, with the CPU's bfloat16 dot products
+// (vdpbf16ps: a lane adds the products of a pair of inputs). Per group of 32 output rows the
+// weights are [K / 2][32] pairs: at input pair p one 64-byte load brings 16 rows' pairs, and each
+// activation row's pair, broadcast, adds two products into every lane. Accumulated in float32 with
+// the bias added there and the output rounded to bfloat16 once, as oneDNN's bfloat16 linear does.
+// Each row's sums run over K in the same order whatever the batch, as float_gemm's do. Against
+// oneDNN's bfloat16 linear (SmolLM2's and the 0.5B shape's layers, AMD Zen 4): 0.2-0.6x the time
+// at 1-5 rows, 0.7-0.93x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
+// which no longer calls back into Python for its linears: 48 -> 38 ms.
+template <int R>
+[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                              __m512* out) {
+  __m512 acc[2 * R];
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 16), _MM_HINT_T1);
+    }
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes + 16));
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * K + 2 * p, sizeof pair);
+      const __m512bh xi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+      acc[2 * i] = _mm512_dpbf16_ps(acc[2 * i], xi, w0);
+      acc[2 * i + 1] = _mm512_dpbf16_ps(acc[2 * i + 1], xi, w1);
+    }
+  }
+  for (int i = 0; i < 2 * R; ++i) out[i] = acc[i];
+}
+
+template <int R>
+[[gnu::always_inline]] inline void bf16_rows(int rows, const uint16_t* x, int64_t K, const uint32_t* w,
+                                             const uint32_t* next, __m512* acc) {
+  if constexpr (R == 1) {
+    bf16_group<1>(x, K, w, next, acc);
+  } else if (rows == R) {
+    bf16_group<R>(x, K, w, next, acc);
+  } else {
+    bf16_rows<R - 1>(rows, x, K, w, next, acc);
+  }
+}
+
+[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                 __m512* acc) {
+  bf16_rows<kFRows>(rows, x, K, w, next, acc);
+}
+
+inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 x) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
+}
+
+// K even (pairs); y: [M, N] bfloat16.
+void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+               int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const __mmask16 m0 = lane_mask(lanes), m1 = lane_mask(std::max<int64_t>(0, lanes - 16));
+      auto load_bias = [&](__mmask16 m, int64_t at) {  // bfloat16 -> float: into the high half
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + at)), 16));
+      };
+      const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : load_bias(m0, n0);
+      const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : load_bias(m1, n0 + 16);
+      for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
+        __m512 acc[2 * kFRows];
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && g + 1 < groups;  // as float_gemm's
+        const uint32_t* next = fetch_next ? w + (g + 1) * (K / 2) * kFLanes : nullptr;
+        bf16_pass(rows, x + r0 * K, K, w + g * (K / 2) * kFLanes, next, acc);
+        for (int i = 0; i < rows; ++i) {
+          uint16_t* out = y + (r0 + i) * N + n0;
+          store_bf16(out, m0, _mm512_add_ps(acc[2 * i], b0));
+          store_bf16(out + 16, m1, _mm512_add_ps(acc[2 * i + 1], b1));
+        }
+      }
+    }
+  }
+}
+#endif  // AVX-512 BF16
 #endif  // AVX-512
 
 #if defined(PPSERVE_QUANT_GEMM)
@@ -276,6 +363,13 @@ void float_gemm_f32(const float* x, const float* w, const float* bias, float* y,
 void float_gemm_silu_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
                          int64_t K) {
   float_gemm<true>(x, w, bias, y, M, N, K);
+}
+#endif
+
+#if defined(PPSERVE_BF16_GEMM)
+void float_gemm_bf16(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+                     int64_t K) {
+  bf16_gemm(x, w, bias, y, M, N, K);
 }
 #endif
 

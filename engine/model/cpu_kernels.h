@@ -62,6 +62,15 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Sixteen floats rounded to bfloat16 values (to nearest even, NaN kept, as `store`), still floats.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bits, _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // SiLU(x) = x / (1 + e^-x), the one expression silu_mul and float_gemm_silu both compute, so that
 // their results are bitwise equal.
 inline __m512 silu16(__m512 x) {
@@ -77,6 +86,9 @@ inline __m512 silu16(__m512 x) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PPSERVE_QUANT_GEMM 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PPSERVE_BF16_GEMM 1
 #endif
 
 // The kernels that decode_step.cpp strings together (their comments are where they are defined:
@@ -100,4 +112,6 @@ PPSERVE_DECLARE_KERNELS(bf16, uint16_t)
 #undef PPSERVE_DECLARE_KERNELS
 void float_gemm_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K);
 void float_gemm_silu_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K);
+void float_gemm_bf16(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+                     int64_t K);
 }

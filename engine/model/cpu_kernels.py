@@ -14,9 +14,11 @@ one library, loaded with ctypes.
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
 - Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
   unpacking the bits with torch ops costs a fraction of a millisecond).
-- The float32 GEMM of the linears (engine/model/linear.py): a model's step at batch 1 is mostly one
-  read of its weights, which oneDNN's kernels for a few rows do well below the memory's speed;
-  ppserve's reads them at memory speed, and stays within 10% of oneDNN's at prefill sizes.
+- The float32 and bfloat16 GEMMs of the linears (engine/model/linear.py): a model's step at batch
+  1 is mostly one read of its weights, which oneDNN's kernels for a few rows do well below the
+  memory's speed; ppserve's reads them at memory speed, and stays within 10% of oneDNN's at
+  prefill sizes. The bfloat16 one (CPUs with AVX-512 BF16) also spares a decode step its calls
+  back into Python for oneDNN.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
   and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
@@ -158,6 +160,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
     for name, argtypes in f32.items():
         fn = getattr(dll, f"{name}_f32")
         fn.argtypes, fn.restype = argtypes, None
+    if hasattr(dll, "float_gemm_bf16"):
+        dll.float_gemm_bf16.argtypes, dll.float_gemm_bf16.restype = _FLOAT_GEMM_ARGTYPES["float_gemm"], None
     return dll
 
 
@@ -166,8 +170,9 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def float_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `FloatGemm` runs here (float32, the library built with its float GEMM)."""
-    return dtype == torch.float32 and available(device, dtype) and hasattr(load(), "float_gemm_f32")
+    """Whether `FloatGemm` runs here: the library built with its float GEMM for `dtype` (float32 with
+    AVX-512, bfloat16 where the CPU has AVX-512 BF16 too)."""
+    return available(device, dtype) and hasattr(load(), f"float_gemm_{KERNEL_DTYPES[dtype]}")
 
 
 class PackedGemm:
@@ -200,16 +205,17 @@ class PackedGemm:
 
 
 class FloatGemm(PackedGemm):
-    """ppserve's float32 GEMM, W laid out as engine/model/linear.py packs it. With `silu`, W is an
-    MLP's gate and up projections interleaved (linear.py's `interleave_gate_up`), and the output
-    SiLU(gate) * up, half as wide."""
+    """ppserve's float32 or bfloat16 GEMM (the weight's dtype), W laid out as engine/model/linear.py
+    packs it. With `silu` (float32 only), W is an MLP's gate and up projections interleaved
+    (linear.py's `interleave_gate_up`), and the output SiLU(gate) * up, half as wide."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu: bool = False) -> None:
-        tensors = (weight, bias)
+        tensors, dtype = (weight, bias), weight.dtype
         if silu:
-            super().__init__("float_gemm_silu", torch.float32, tensors, out_features // 2, out_features)
+            assert dtype == torch.float32
+            super().__init__("float_gemm_silu", dtype, tensors, out_features // 2, out_features)
         else:
-            super().__init__("float_gemm", torch.float32, tensors, out_features)
+            super().__init__("float_gemm", dtype, tensors, out_features)
 
 
 def decode_layers(dtype: torch.dtype) -> Callable[..., int] | None:

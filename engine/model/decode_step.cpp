@@ -15,7 +15,7 @@
 
 // One linear: y = x @ W.T + b by the GEMM `kind` names, with its packed weight's tensors.
 struct Gemm {
-  int64_t kind;  // 0, 2: float_gemm, float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's
+  int64_t kind;  // 0: float_gemm; 2: float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's
   const void* weight;
   const void* scales;  // quantized only
   const void* mins;    // 4 bits only
@@ -103,6 +103,11 @@ T* gemm(const Gemm& g, const T* x, T* y, int64_t rows, LinearFn linear, int64_t 
       if constexpr (std::is_same_v<T, float>) {
         float_gemm_f32(x, static_cast<const float*>(g.weight), bias, y, rows, n, k);
         return y;
+      } else {
+  #if defined(PPSERVE_BF16_GEMM)
+        float_gemm_bf16(x, static_cast<const uint32_t*>(g.weight), bias, y, rows, n, k);
+        return y;
+  #endif
       }
       break;
 #endif
