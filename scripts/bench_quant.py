@@ -4,8 +4,8 @@ For each row count M (1: batch-1 decode, 32: 32 streams decoding, 256 and 1024: 
 one pass through every linear of every layer (q/k/v, o, gate/up, down: 30 layers of SmolLM2's
 shapes by default, so that the weights do not fit in the caches, as in a real step), and the
 head, for:
-- float32 and bfloat16 as the engine runs them (engine/model/linear.py: float32 by ppserve's GEMM,
-  bfloat16 packed for oneDNN), and float32 packed for oneDNN;
+- float32 and bfloat16 as the engine runs them (engine/model/linear.py: ppserve's GEMM where it is
+  built, bfloat16's where the CPU has AVX-512 BF16), and both packed for oneDNN;
 - int8 and int4 in blocks of 32 through engine/model/quantized.py's QuantLinear with a float32
   model's activations, by each of its CPU kernels: ppserve's (int8 activations and integer dot
   products, engine/model/cpu_gemm.cpp) and torch's (`_weight_int8pack_mm` with one scale per
@@ -38,9 +38,9 @@ from ppserve.engine.model.linear import Linear  # noqa: E402
 from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, quantize_int8  # noqa: E402
 
 CPU = torch.device("cpu")
-# The float linears as the engine runs them (float32: ppserve's GEMM where it is built), and
-# float32 through oneDNN's packed weights, as the engine ran it before.
-FLOAT_KINDS = ["float32", "bfloat16", "float32-onednn"]
+# The float linears as the engine runs them (ppserve's GEMM where it is built), and through oneDNN's
+# packed weights, as the engine ran them before.
+FLOAT_KINDS = ["float32", "bfloat16", "float32-onednn", "bfloat16-onednn"]
 
 
 def int4_weight(w: torch.Tensor) -> QuantWeight:
@@ -91,8 +91,9 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     quantized = ("int8", "int4", "int8-torch", "int4-torch")  # bare: ppserve's kernel
     kinds = [*FLOAT_KINDS, *quantized]
-    if not cpu_kernels.float_gemm_available(CPU, torch.float32):
-        kinds.remove("float32-onednn")  # the engine's float32 is oneDNN's already
+    for name in ("float32", "bfloat16"):
+        if not cpu_kernels.float_gemm_available(CPU, getattr(torch, name)):
+            kinds.remove(f"{name}-onednn")  # the engine's is oneDNN's already
     models = {kind: ([make(kind, w) for w in weights], make(kind, head)) for kind in kinds}
     results: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in kinds}
     for m in rows:
@@ -119,7 +120,7 @@ def main() -> None:
         ("int8", "int8-torch"),
         ("int4", "int4-torch"),
     ]
-    pairs += [("float32", "float32-onednn")] if "float32-onednn" in kinds else []
+    pairs += [(f, f"{f}-onednn") for f in ("float32", "bfloat16") if f"{f}-onednn" in kinds]
     ratios = {
         f"{q}_vs_{f}": {
             m: (results[q][m]["layers_ms"] + results[q][m]["head_ms"])

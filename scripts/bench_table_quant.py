@@ -16,7 +16,11 @@ def table_quant_kernels(r: Sequence[Result]) -> list[str]:
     labels = {
         "float32": "float32, ppserve's GEMM (the engine's)",
         "float32-onednn": "float32, packed for oneDNN",
-        "bfloat16": "bfloat16, packed for oneDNN (the engine's)",
+        # A run with both bfloat16 kinds had ppserve's bfloat16 GEMM as the engine's.
+        "bfloat16": "bfloat16, ppserve's GEMM (the engine's)"
+        if "bfloat16-onednn" in ms
+        else "bfloat16, packed for oneDNN (the engine's)",
+        "bfloat16-onednn": "bfloat16, packed for oneDNN",
         "int8": "int8, blocks of 32, ppserve's kernel",
         "int4": "int4, groups of 32, ppserve's kernel",
         "int8-torch": "int8 per row, torch's `_weight_int8pack_mm`",

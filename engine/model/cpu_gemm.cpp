@@ -129,7 +129,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
 // the bias added there and the output rounded to bfloat16 once, as oneDNN's bfloat16 linear does.
 // Each row's sums run over K in the same order whatever the batch, as float_gemm's do. Against
 // oneDNN's bfloat16 linear (SmolLM2's and the 0.5B shape's layers, AMD Zen 4): 0.2-0.6x the time
-// at 1-5 rows, 0.7-0.93x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
+// at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
 // which no longer calls back into Python for its linears: 48 -> 38 ms.
 template <int R>
 [[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
