@@ -55,9 +55,44 @@ template <int R>
   for (int i = 0; i < 2 * R; ++i) out[i] = acc[i];
 }
 
+#if defined(PPSERVE_BF16_GEMM)
+// The same GEMM on bfloat16 weights and activations, with the CPU's bfloat16 dot products
+// (vdpbf16ps: a lane adds the products of a pair of inputs). Per group of 32 output rows the
+// weights are [K / 2][32] pairs: at input pair p one 64-byte load brings 16 rows' pairs, and each
+// activation row's pair, broadcast, adds two products into every lane. Accumulated in float32 with
+// the bias added there and the output rounded to bfloat16 once, as oneDNN's bfloat16 linear does.
+// Each row's sums run over K in the same order whatever the batch, as float_gemm's do. Against
+// oneDNN's bfloat16 linear (SmolLM2's and the 0.5B shape's layers, AMD Zen 4): 0.2-0.6x the time
+// at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
+// which no longer calls back into Python for its linears: 48 -> 38 ms.
 template <int R>
-[[gnu::always_inline]] inline void float_rows(int rows, const float* x, int64_t K, const float* w,
-                                              const float* next, __m512* acc) {
+[[gnu::always_inline]] inline void float_group(const uint16_t* x, int64_t K, const uint32_t* w,
+                                               const uint32_t* next, __m512* out) {
+  __m512 acc[2 * R];
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 16), _MM_HINT_T1);
+    }
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes + 16));
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * K + 2 * p, sizeof pair);
+      const __m512bh xi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+      acc[2 * i] = _mm512_dpbf16_ps(acc[2 * i], xi, w0);
+      acc[2 * i + 1] = _mm512_dpbf16_ps(acc[2 * i + 1], xi, w1);
+    }
+  }
+  for (int i = 0; i < 2 * R; ++i) out[i] = acc[i];
+}
+#endif
+
+// X, W: float, float (float32) or uint16_t, uint32_t (bfloat16 values and pairs of them).
+template <int R, typename X, typename W>
+[[gnu::always_inline]] inline void float_rows(int rows, const X* x, int64_t K, const W* w, const W* next,
+                                              __m512* acc) {
   // the rows' accumulators stay in registers: one instance per count, inlined (or `acc` would be
   // memory, and the GEMM 2x slower)
   if constexpr (R == 1) {
@@ -72,8 +107,8 @@ template <int R>
 // One pass over a group's weights, a call of its own: inlined into the GEMM's loop, with the bias
 // and the masks live around it, GCC kept one of the two weight registers on the stack and read it
 // back for every FMA (on AMD Zen 4, 1.35x the time at prefill sizes).
-[[gnu::noinline]] void float_pass(int rows, const float* x, int64_t K, const float* w, const float* next,
-                                  __m512* acc) {
+template <typename X, typename W>
+[[gnu::noinline]] void float_pass(int rows, const X* x, int64_t K, const W* w, const W* next, __m512* acc) {
   float_rows<kFRows>(rows, x, K, w, next, acc);
 }
 
@@ -122,60 +157,11 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
 }
 
 #if defined(PPSERVE_BF16_GEMM)
-// The same GEMM on bfloat16 weights and activations, with the CPU's bfloat16 dot products
-// (vdpbf16ps: a lane adds the products of a pair of inputs). Per group of 32 output rows the
-// weights are [K / 2][32] pairs: at input pair p one 64-byte load brings 16 rows' pairs, and each
-// activation row's pair, broadcast, adds two products into every lane. Accumulated in float32 with
-// the bias added there and the output rounded to bfloat16 once, as oneDNN's bfloat16 linear does.
-// Each row's sums run over K in the same order whatever the batch, as float_gemm's do. Against
-// oneDNN's bfloat16 linear (SmolLM2's and the 0.5B shape's layers, AMD Zen 4): 0.2-0.6x the time
-// at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
-// which no longer calls back into Python for its linears: 48 -> 38 ms.
-template <int R>
-[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
-                                              __m512* out) {
-  __m512 acc[2 * R];
-  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < K / 2; ++p) {
-    if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 16), _MM_HINT_T1);
-    }
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * kFLanes + 16));
-    for (int i = 0; i < R; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, x + i * K + 2 * p, sizeof pair);
-      const __m512bh xi = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-      acc[2 * i] = _mm512_dpbf16_ps(acc[2 * i], xi, w0);
-      acc[2 * i + 1] = _mm512_dpbf16_ps(acc[2 * i + 1], xi, w1);
-    }
-  }
-  for (int i = 0; i < 2 * R; ++i) out[i] = acc[i];
-}
-
-template <int R>
-[[gnu::always_inline]] inline void bf16_rows(int rows, const uint16_t* x, int64_t K, const uint32_t* w,
-                                             const uint32_t* next, __m512* acc) {
-  if constexpr (R == 1) {
-    bf16_group<1>(x, K, w, next, acc);
-  } else if (rows == R) {
-    bf16_group<R>(x, K, w, next, acc);
-  } else {
-    bf16_rows<R - 1>(rows, x, K, w, next, acc);
-  }
-}
-
-[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
-                                 __m512* acc) {
-  bf16_rows<kFRows>(rows, x, K, w, next, acc);
-}
-
 inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 x) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
 }
 
-// K even (pairs); y: [M, N] bfloat16.
+// float_gemm<false> on bfloat16 (its group loop above, with float_gemm_bf16's layout): K even, y: [M, N].
 void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
                int64_t K) {
   const int64_t groups = (N + kFLanes - 1) / kFLanes;
@@ -195,7 +181,7 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
         __m512 acc[2 * kFRows];
         const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && g + 1 < groups;  // as float_gemm's
         const uint32_t* next = fetch_next ? w + (g + 1) * (K / 2) * kFLanes : nullptr;
-        bf16_pass(rows, x + r0 * K, K, w + g * (K / 2) * kFLanes, next, acc);
+        float_pass(rows, x + r0 * K, K, w + g * (K / 2) * kFLanes, next, acc);
         for (int i = 0; i < rows; ++i) {
           uint16_t* out = y + (r0 + i) * N + n0;
           store_bf16(out, m0, _mm512_add_ps(acc[2 * i], b0));
