@@ -62,6 +62,8 @@ class EngineConfig:
     # + c seconds for the whole model (see engine/runtime/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
     async_depth: int = _SCHEDULER.async_depth  # plans in flight beyond one per stage (why 0: scheduler.py)
+    # PP=1: a request's next decode step is planned before its token is back (PPSERVE_DECODE_AHEAD=0: off)
+    decode_ahead: bool = _SCHEDULER.decode_ahead
     threads_per_stage: int = 1  # create() gives each stage its share of the cores
     stage_start_timeout_s: float = 120.0
     stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
@@ -221,7 +223,7 @@ class EngineConfig:
         """What every node of a cluster must agree on (compared when a node joins)."""
         names = (
             "pp_size layer_ranges dtype quantization device block_size num_kv_blocks max_model_len edge_transports "
-            "max_batched_tokens async_depth dynamic_chunking synthetic_latency"
+            "max_batched_tokens async_depth decode_ahead dynamic_chunking synthetic_latency"
         ).split()
         settings = {name: str(getattr(self, name)) for name in names}
         settings["stage_nodes"] = str(self.cluster.stage_nodes if self.cluster else ())

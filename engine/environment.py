@@ -24,6 +24,7 @@ SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 PIN_STAGES_ENV = "PPSERVE_PIN_STAGES"
 CPU_KERNELS_ENV = "PPSERVE_CPU_KERNELS"
 LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"
+DECODE_AHEAD_ENV = "PPSERVE_DECODE_AHEAD"
 
 
 def _number(name: str) -> float | None:
@@ -51,6 +52,8 @@ READERS: dict[str, Callable[[], Any]] = {
     "pin_stages": lambda: os.environ.get(PIN_STAGES_ENV, "0") == "1",
     # On unless switched off (then the forward pass runs torch ops only; engine/model/cpu_kernels.py).
     "cpu_kernels": lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0",
+    # On unless switched off (A/B: the host's turnaround between decode steps; scheduler/scheduler.py).
+    "decode_ahead": lambda: os.environ.get(DECODE_AHEAD_ENV, "1") != "0",
     "cache_dir": lambda: str(cache_dir()),
     "disagg_faults": DisaggFaults.from_env,  # malformed: a ValueError before anything starts
     # Tests: stages report event-loop callbacks over this many ms of CPU (engine/runtime/loop_watch.py).

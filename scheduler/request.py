@@ -38,11 +38,12 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # Pipeline bookkeeping (scheduler only): tokens computed or in flight, plans in flight that
-    # carry this request, whether one of them will sample, whether the last stage knows it, and
-    # how many of block_table's first blocks the stages hold (sent in earlier plans).
+    # carry this request, how many of them sample (two while a decode step runs ahead of its
+    # token: scheduler.py), whether the last stage knows it, and how many of block_table's first
+    # blocks the stages hold (sent in earlier plans).
     num_scheduled_tokens: int = 0
     inflight_plans: int = 0
-    awaiting_sample: bool = False
+    samples_in_flight: int = 0
     announced: bool = False
     num_blocks_sent: int = 0
     # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its

@@ -7,10 +7,13 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 from helpers import pipeline, random_prompt
 
+from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.request import FinishReason
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.messages import StepPlan, StepResult
 
 PROMPT = random_prompt(random.Random(5), 12)
 
@@ -72,3 +75,41 @@ def test_out_of_kv_blocks_preempts_and_frees_everything(llama_dir: Path) -> None
     assert [g.token_ids for g in both] == [alone, alone]
     assert pipe.scheduler.num_preemptions > 0
     assert pipe.allocator.num_free == 4
+
+
+def record_plans(pipe: OfflineEngine, monkeypatch: pytest.MonkeyPatch) -> list[StepPlan]:
+    """The plans `pipe` runs from now on, in order."""
+    planned: list[StepPlan] = []
+    run = pipe.executor.run
+
+    def recorded(plan: StepPlan) -> StepResult:
+        planned.append(plan)
+        return run(plan)
+
+    monkeypatch.setattr(pipe.executor, "run", recorded)
+    return planned
+
+
+def test_decoding_ahead_changes_no_output(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At PP=1 each decode step is planned before the token it reads is back (scheduler.py); the
+    stage fills that token in. Sampling state (seeds, penalties), stop tokens, max_tokens and
+    logprobs come out as with the step planned after it, and as at PP=2, which never plans ahead."""
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n) for n in (12, 3, 30, 7, 12)]
+    free_run = pipeline(llama_dir, pp_size=2).generate([prompts[4]], _greedy(20, ignore_eos=True))[0].token_ids
+    params = [
+        _greedy(17, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=42, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7, frequency_penalty=1.5, repetition_penalty=1.3),
+        _greedy(1),  # its only token is sampled by the prefill: nothing to plan ahead
+        _greedy(20, stop_token_ids=(free_run[5],)),  # ends with a step planned ahead still in flight
+    ]
+    runs = {}
+    for name, pp, ahead in (("pp1", 1, True), ("pp1-behind", 1, False), ("pp2", 2, True)):
+        pipe = pipeline(llama_dir, pp_size=pp, decode_ahead=ahead)
+        planned = record_plans(pipe, monkeypatch)
+        runs[name] = [(g.token_ids, g.finish_reason, g.samples) for g in pipe.generate(prompts, params)]
+        assert pipe.allocator.num_free == pipe.allocator.num_blocks
+        assert any(c.follows for p in planned for c in p.chunks) == (name == "pp1"), name
+    assert runs["pp1"] == runs["pp1-behind"] == runs["pp2"]
+    assert runs["pp1"][4][0] == free_run[: free_run.index(free_run[5]) + 1]

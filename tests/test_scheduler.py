@@ -265,3 +265,83 @@ def test_only_a_repetition_penalty_sends_the_prompt_to_the_last_stage() -> None:
     assert announced["p"].params.repetition_penalty == 1.2
     assert announced["g"].prompt_token_ids == []
     assert sum(len(plan.new_requests) for plan in plans) == 2
+
+
+def chunks_of(plan: StepPlan) -> list[tuple[str, int, list[int], bool]]:
+    return [(c.request_id, c.start, c.token_ids, c.follows) for c in plan.chunks]
+
+
+def planned(s: Scheduler) -> StepPlan:
+    plan = s.schedule()
+    assert plan is not None
+    return plan
+
+
+def test_pp1_plans_the_next_decode_step_before_its_token_is_back() -> None:
+    s = make(pp=1)
+    r = req("a", 6)  # max_tokens 4
+    s.add(r)
+    prefill, ahead = planned(s), planned(s)
+    assert s.schedule() is None  # two plans in flight, and the request is one step ahead at most
+    assert chunks_of(prefill) == [("a", 0, list(range(10, 16)), False)]
+    # Position 6 reads the token the prefill samples: the stage puts it in (Sampler.follow).
+    assert chunks_of(ahead) == [("a", 6, [-1], True)]
+    assert all(c.sample for p in (prefill, ahead) for c in p.chunks)
+    complete(s, prefill, token=21)
+    third = planned(s)
+    assert chunks_of(third) == [("a", 7, [-1], True)]
+    complete(s, ahead, token=22)
+    fourth = planned(s)
+    assert chunks_of(fourth) == [("a", 8, [-1], True)]  # samples the 4th token: nothing after it
+    assert s.schedule() is None
+    complete(s, third, token=23)
+    assert s.schedule() is None
+    complete(s, fourth, token=24)
+    assert r.output_token_ids == [21, 22, 23, 24] and r.finish_reason == FinishReason.LENGTH
+    assert not s.inflight and s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_a_step_planned_ahead_of_eos_is_dropped_and_frees_its_blocks_when_it_returns() -> None:
+    s = make(pp=1, blocks=8)
+    r = Request("a", [10, 11, 12], SamplingParams(max_tokens=10, temperature=0.0), eos_token_ids=(2,))
+    s.add(r)
+    first, ahead = planned(s), planned(s)
+    assert ahead.chunks[0].follows
+    complete(s, first, token=2)  # EOS
+    assert r.finish_reason == FinishReason.STOP
+    assert s.allocator.num_free < 8  # the step planned ahead still writes its blocks
+    assert s.update(StepResult(ahead.mb_id, [Sampled("a", 5)], [])) == []  # its token is dropped
+    assert r.output_token_ids == [2] and s.allocator.num_free == 8 and not s.has_work
+
+
+@pytest.mark.parametrize(
+    "settings, params",
+    [
+        ({"pp": 2}, GREEDY),  # the token is sampled on the last stage, embedded on the first
+        ({"pp": 1, "decode_ahead": False}, GREEDY),
+        ({"pp": 1}, SamplingParams(max_tokens=4, temperature=0.0, grammar='start: "x"')),  # masks are made early
+        ({"pp": 1}, SamplingParams(max_tokens=1, temperature=0.0)),  # the token in flight is its last
+    ],
+)
+def test_no_step_ahead(settings: dict[str, Any], params: SamplingParams) -> None:
+    s = make(**settings)
+    s.add(req("a", 5, params))
+    plans = drain(s)
+    assert not any(c.follows for p in plans for c in p.chunks)
+    assert all(c.token_ids != [-1] for p in plans for c in p.chunks)
+
+
+def test_a_request_short_of_kv_blocks_stops_the_others_running_ahead_and_preempts_the_newest() -> None:
+    # 6 blocks of 4 tokens. "old" crosses into a new block every 4 steps and runs out first;
+    # "new", always one step ahead, would never come to rest to be preempted if it kept going.
+    s = make(pp=1, blocks=6)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    old, new = Request("old", list(range(8)), params), Request("new", list(range(50, 56)), params)
+    s.add(old)
+    s.add(new)
+    plans = drain(s)
+    assert s.num_preemptions >= 1
+    assert [c.start for p in plans for c in p.chunks if c.request_id == "old" and c.new_table] == [0]
+    assert len([c for p in plans for c in p.chunks if c.request_id == "new" and c.new_table]) > 1
+    assert all(len(r.output_token_ids) == 12 for r in (old, new))
+    assert s.allocator.num_free == 6

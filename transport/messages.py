@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 8  # 8: WireSamplingParams.logit_bias and .grammar
+PROTOCOL_VERSION = 9  # 9: SeqChunk.follows
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -38,6 +38,10 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     blocks: list[int]
     sample: bool  # sample a token after this chunk (last prefill chunk, or a decode step)
     new_table: bool = False
+    # A decode step planned before its input token was known: `token_ids` is [-1], and the stage
+    # that embeds, which at PP=1 is the one that sampled that token in the previous plan, puts it
+    # there (Sampler.follow).
+    follows: bool = False
 
     @property
     def num_new(self) -> int:

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import torch
 
 from ppserve.engine.model import cpu_kernels
@@ -93,6 +94,7 @@ class _RequestState:
     ) -> None:
         self.params = params
         self.step = len(output_token_ids)  # tokens sampled so far
+        self.last_token = output_token_ids[-1] if output_token_ids else -1  # what `follow` puts in
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids [n] long, biases [n] float32)
         if params.logit_bias:
             kept = [(t, b) for t, b in params.logit_bias if t < vocab_size]  # the host checked; never index out
@@ -268,6 +270,18 @@ class Sampler:
             for i, (rid, state) in enumerate(rows):
                 self._prepared[rid] = (state, state.step, future, i)
 
+    def follow(self, plan: StepPlan) -> StepPlan:
+        """`plan` with each `follows` chunk's placeholder replaced by the token its request sampled
+        last, in an earlier plan (decoding ahead at PP=1, where this stage also embeds: see
+        scheduler/scheduler.py). Call it once the plans before have sampled, before the forward."""
+        if not any(c.follows for c in plan.chunks):
+            return plan
+        chunks = [
+            msgspec.structs.replace(c, token_ids=[self._requests[c.request_id].last_token]) if c.follows else c
+            for c in plan.chunks
+        ]
+        return msgspec.structs.replace(plan, chunks=chunks)
+
     def add_request(
         self,
         request_id: str,
@@ -323,6 +337,7 @@ class Sampler:
         out: list[Sample] = []
         for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
             state.step += 1
+            state.last_token = token
             if state.matcher is not None and not state.matcher.consume_token(token):
                 log.warning("sampled token %d breaks its grammar: %s", token, state.matcher.get_error())
             if state.counts is not None:

@@ -54,6 +54,7 @@ class InProcessExecutor:
         plan's block-table changes to the tables it keeps, in plan order."""
         rows = prompt_rows(plan)
         self.sampler.prepare(plan)  # grammar masks: computed while the stages run
+        plan = self.sampler.follow(plan)  # the tokens of steps planned ahead (PP=1)
         logits: torch.Tensor | None = None
         for runner in self.runners:
             logits = runner.execute_plan(plan, logits, prompt_rows=rows)

@@ -72,7 +72,8 @@ log = logging.getLogger("ppserve.stage")
 HEARTBEAT_S = 0.2
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
 Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
-Output = tuple[StepPlan, list[Timing], "Span", "torch.Tensor | Results"]
+Computed = tuple["torch.Tensor | Results", "Span"]  # a plan's output, and when it computed
+Output = tuple[StepPlan, list[Timing], "asyncio.Future[Computed]"]
 QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
 
 
@@ -170,6 +171,7 @@ class StageWorker:
         self._dist = False  # joined a torch.distributed process group
         self.kv: KvExporter | KvImporter | None = None  # disaggregation: this stage's KV sender or receiver
         self._kv_tasks: set[asyncio.Task[None]] = set()
+        self._computing: set[asyncio.Future[Computed]] = set()  # plans handed to the compute thread
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
         # Activations of micro-batches below this id are leftovers of plans voided by a reset:
@@ -307,6 +309,8 @@ class StageWorker:
         again empty (the host then sends every request's whole table again)."""
         for t in self._pipeline:
             t.cancel()
+        for computed in list(self._computing):  # queued on the compute thread: never starts now
+            computed.cancel()
         await asyncio.gather(*self._pipeline, return_exceptions=True)
         # The compute pool has one thread: once this has run, no old plan is computing, and the
         # tables it kept are gone before any new plan is applied.
@@ -392,20 +396,29 @@ class StageWorker:
             await received.put((msg, header, hidden))
 
     async def _compute(self, received: asyncio.Queue[Received | None], outputs: asyncio.Queue[Output | None]) -> None:
+        """Each plan goes to the compute thread as soon as its inputs are here, queued behind the
+        one computing: the thread goes from plan to plan without a trip through this loop in
+        between (at PP=1, where the next plan is usually here before the last one ends, that
+        trip cost 0.6 ms of a 15 ms decode step). The send task awaits the outputs in order."""
         loop = asyncio.get_running_loop()
         while (item := await received.get()) is not None:
             plan, header, hidden = item
-            start, before = time.time(), self.runner.tokens_computed
-            out, events = await loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
-            span = Span(start, time.time(), events, self._gpu_clock, self.runner.tokens_computed - before)
-            await outputs.put((plan, header.timings if header else [], span, out))
+            computed = loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
+            self._computing.add(computed)
+            computed.add_done_callback(self._computing.discard)
+            await outputs.put((plan, header.timings if header else [], computed))
         await outputs.put(None)
 
-    def _execute(
-        self, plan: StepPlan, hidden: torch.Tensor | None
-    ) -> tuple[torch.Tensor | Results, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+    def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> Computed:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
         events around the layers' kernels (see Span)."""
+        start, before = time.time(), self.runner.tokens_computed
+        out, events = self._forward(plan, hidden)
+        return out, Span(start, time.time(), events, self._gpu_clock, self.runner.tokens_computed - before)
+
+    def _forward(
+        self, plan: StepPlan, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor | Results, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
         events = None
         if self._gpu_clock is not None:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -415,6 +428,7 @@ class StageWorker:
             if events is not None:
                 events[1].record()
             return out, events
+        plan = self.sampler.follow(plan)  # the tokens of steps planned ahead: sampled by the plan before
         logits = self.runner.execute_plan(plan, hidden, prompt_rows=prompt_rows(plan))
         results = last_stage_outputs(self.sampler, plan, logits)
         if events is not None:
@@ -424,7 +438,8 @@ class StageWorker:
     async def _send(self, outputs: asyncio.Queue[Output | None]) -> None:
         loop = asyncio.get_running_loop()
         while (item := await outputs.get()) is not None:
-            plan, upstream, span, out = item
+            plan, upstream, computed = item
+            out, span = await computed
             if span.events is None:
                 mine = span.timing(self.stage)
             else:  # waits for the kernels: a thread of its own, so compute runs on meanwhile
