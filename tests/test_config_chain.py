@@ -24,7 +24,8 @@ from ppserve.server.cli import build_parser
 from ppserve.server.cli_cluster import DISAGG_FLAGS
 from ppserve.server.cli_engine import ENGINE_FLAGS, engine_settings
 
-ENGINE_ENV = (environment.SMOOTH_ENV, environment.PIN_STAGES_ENV, environment.CPU_KERNELS_ENV, FAULTS_ENV)
+ENGINE_ENV: tuple[str, ...] = (environment.SMOOTH_ENV, environment.PIN_STAGES_ENV, environment.CPU_KERNELS_ENV)
+ENGINE_ENV += (environment.DECODE_AHEAD_ENV, FAULTS_ENV)
 # Where the PPSERVE_* variables may be read (engine/environment.py says why each is where it is).
 ENV_READERS = {"engine/environment.py", "engine/model/cache_dir.py", "engine/disagg/faults.py"}
 ENV_READERS |= {"transport/cluster_key.py", "server/cli_clients.py"}
@@ -116,6 +117,7 @@ def test_the_environment_is_read_once_into_the_config(
     monkeypatch.setenv(environment.SMOOTH_ENV, "0.4")
     monkeypatch.setenv(environment.PIN_STAGES_ENV, "1")
     monkeypatch.setenv(environment.CPU_KERNELS_ENV, "0")
+    monkeypatch.setenv(environment.DECODE_AHEAD_ENV, "0")
     monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(FAULTS_ENV, "fail_transfer=1,seed=4")
     pd: dict[str, Any] = {"disaggregation": "prefill", "disagg_insecure": True}
@@ -124,9 +126,10 @@ def test_the_environment_is_read_once_into_the_config(
     assert (config.chunk_smooth, config.pin_stages, config.cpu_kernels, config.cache_dir, config.disagg_faults) == (
         expected
     )
+    assert not config.decode_ahead and not config.scheduler_config().decode_ahead
     assert EngineConfig.create(llama_dir).disagg_faults is None  # only a disaggregated engine injects faults
-    given = EngineConfig.create(llama_dir, chunk_smooth=0.2, pin_stages=False, cpu_kernels=True)
-    assert (given.chunk_smooth, given.pin_stages, given.cpu_kernels) == (0.2, False, True)  # a setting wins
+    given = EngineConfig.create(llama_dir, chunk_smooth=0.2, pin_stages=False, cpu_kernels=True, decode_ahead=True)
+    assert (given.chunk_smooth, given.pin_stages, given.cpu_kernels, given.decode_ahead) == (0.2, False, True, True)
     for name in (*ENGINE_ENV, "PPSERVE_CACHE_DIR"):
         monkeypatch.delenv(name)
     # What a stage process gets: the same values, with nothing left to read.
