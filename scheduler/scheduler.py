@@ -7,8 +7,8 @@ scheduled (at most `chunked_prefill_size`), and samples when those reach the end
 Pipelining rules:
 - At most `depth = pp_size + async_depth` plans are in flight, plus one when decoding runs ahead.
 - A request whose sampling chunk is in flight waits for that token (its next step depends on
-  it), so it is in at most one in-flight sampling plan. Prefill chunks do not sample, so
-  consecutive chunks of one prompt go into consecutive plans and fill every stage at once.
+  it), but for decoding ahead (below): one sampling plan in flight, two at PP=1. Prefill chunks
+  do not sample, so consecutive chunks of one prompt go into consecutive plans and fill every stage at once.
 - Decoding ahead (`decode_ahead`, PP=1 only): there the one stage both samples a token and embeds
   the next, so a request's next decode step is planned while the token it reads is still being
   sampled (a `follows` chunk: the stage puts its own token in). The stage starts that step as
@@ -29,7 +29,8 @@ Prefix caching: a request starts from the longest run of full blocks whose conte
 (shared by reference; at least one token is always computed, to sample from), and skips ahead
 again whenever another request has since filled the blocks it would compute next: requests that
 arrive together with one system prompt take turns computing its chunks. A block becomes
-findable as soon as the plan that fills it is built: a later reader is in a later plan, which
+findable as soon as the plan that fills it is built (one filled by a step planned ahead, once
+`update` brings its token back): a later reader is in a later plan, which
 every stage runs after this one, or in the same plan, where each layer writes the batch's KV
 before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
 

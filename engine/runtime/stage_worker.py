@@ -74,7 +74,7 @@ Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
 Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
 Computed = tuple["torch.Tensor | Results", "Span"]  # a plan's output, and when it computed
 Output = tuple[StepPlan, list[Timing], "asyncio.Future[Computed]"]
-QUEUE_DEPTH = 2  # plans received ahead of compute, and outputs waiting to be sent
+QUEUE_DEPTH = 2  # plans received before their turn, and plans handed to the compute thread (their outputs)
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ class StageWorker:
         again empty (the host then sends every request's whole table again)."""
         for t in self._pipeline:
             t.cancel()
-        for computed in list(self._computing):  # queued on the compute thread: never starts now
+        for computed in list(self._computing):  # queued: a plan may still start (its output is dropped)
             computed.cancel()
         await asyncio.gather(*self._pipeline, return_exceptions=True)
         # The compute pool has one thread: once this has run, no old plan is computing, and the
