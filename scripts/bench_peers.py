@@ -3,9 +3,10 @@
 Same machine, same random-weight checkpoint (made by scripts/make_tiny_checkpoint.py, cached under
 build/peers/), same client (scripts/bench_serving.py's streaming HTTP requests), same prompts.
 Every server is started once; each round runs every engine in turn (the order rotates), and the
-figures are medians over rounds. Cases: a throughput burst (all requests at once) and batch 1
-(one request at a time). Before timing, a greedy check compares the token ids each engine
-generates for the same prompts (temperature 0).
+figures are medians over rounds. Cases: a throughput burst (all requests at once, engine after
+engine) and batch 1 (one request at a time, each request sent to every engine in turn). Before
+timing, a greedy check compares the token ids each engine generates for the same prompts
+(temperature 0).
 
 Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape's float checkpoint
 (llama-server on its GGUF conversion); llama-server-fa-off is llama-server with flash attention
@@ -53,7 +54,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -274,9 +275,27 @@ def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[s
 # ---- workload ----------------------------------------------------------------------------------
 
 
-async def run_case(server: Server, jobs: list[bs.Job], sequential: bool) -> dict[str, Any]:
-    """All jobs at once, or (batch 1) one after another; with the CPU the server's processes
-    spent, and everything else on the machine (idle servers, other users): much "other" CPU slows a run."""
+@dataclass
+class Measured:
+    """One engine's requests of one case, and the CPU used while they ran (runs add up)."""
+
+    jobs: list[bs.Job] = field(default_factory=list)
+    records: list[bs.Record] = field(default_factory=list)
+    duration_s: float = 0.0
+    server_cpu_s: float = 0.0  # the server's processes
+    other_cpu_s: float = 0.0  # everything else on the machine but this client (idle servers, other users)
+
+    def summary(self) -> dict[str, Any]:
+        out = bs.summarize(self.jobs, self.records, self.duration_s)
+        out.pop("_samples")
+        tokens = out["output_token_throughput"] * self.duration_s
+        out["server_cpu_s"], out["other_cpu_s"] = self.server_cpu_s, self.other_cpu_s
+        out["tok_per_server_cpu_s"] = tokens / self.server_cpu_s if self.server_cpu_s else math.nan
+        return out
+
+
+async def run_case(server: Server, jobs: list[bs.Job], sequential: bool, into: Measured) -> None:
+    """All jobs at once, or (batch 1) one after another, added to `into`: much "other" CPU slows a run."""
     ns = argparse.Namespace(model_name=MODEL_NAME, api_key=None)
     turn = asyncio.Semaphore(1 if sequential else max(1, len(jobs)))
     # A new connection per request: llama-server closes a streamed response's connection.
@@ -290,19 +309,34 @@ async def run_case(server: Server, jobs: list[bs.Job], sequential: bool) -> dict
 
         tree, me = [server.proc.pid, *descendants(server.proc.pid)], [os.getpid()]
         cpu, client, busy = bs.cpu_s(tree), bs.cpu_s(me), bs.machine_busy_s()
-        out = bs.summarize(jobs, *await bs.run_jobs(jobs, one))
+        records, duration = await bs.run_jobs(jobs, one)
         cpu, client, busy = bs.cpu_s(tree) - cpu, bs.cpu_s(me) - client, bs.machine_busy_s() - busy
-        tokens = out["output_token_throughput"] * out["duration_s"]
-        out["server_cpu_s"], out["other_cpu_s"] = cpu, busy - cpu - client
-        out["tok_per_server_cpu_s"] = tokens / cpu if cpu else math.nan
-        return out
+    into.jobs += jobs
+    into.records += records
+    into.duration_s += duration
+    into.server_cpu_s += cpu
+    into.other_cpu_s += busy - cpu - client
 
 
-def run_round(server: Server, burst: list[bs.Job], batch1: list[bs.Job]) -> dict[str, Any]:
-    bs.settle(f"{server.name}'s round")
-    out = {"burst": uvloop.run(run_case(server, burst, False)), "batch1": uvloop.run(run_case(server, batch1, True))}
-    for case in out.values():
-        case.pop("_samples")
+def run_round(servers: list[Server], r: int, burst: list[bs.Job], batch1: list[bs.Job]) -> dict[str, Any]:
+    """Each engine's burst in turn (the first one rotates with `r`), then batch 1 side by side."""
+    order = servers[r % len(servers) :] + servers[: r % len(servers)]
+    out: dict[str, dict[str, Any]] = {}
+    for s in order:
+        bs.settle(f"{s.name}'s burst")
+        uvloop.run(run_case(s, burst, False, measured := Measured()))
+        out[s.name] = {"burst": measured.summary()}
+    # Batch 1 request by request across the engines: each request goes to every engine in turn (the
+    # first one rotating), so the machine's slow and fast phases, which switch within a minute,
+    # fall on all of them alike. Run engine after engine, one engine's batch-1 time per token moved
+    # by up to 20% between rounds while the others' did not.
+    bs.settle("batch 1")
+    batch1_runs = {s.name: Measured() for s in servers}
+    for k, job in enumerate(batch1):
+        for s in order[k % len(order) :] + order[: k % len(order)]:
+            uvloop.run(run_case(s, [job], True, batch1_runs[s.name]))
+    for s in servers:
+        out[s.name]["batch1"] = batch1_runs[s.name].summary()
     return out
 
 
@@ -447,17 +481,16 @@ def main() -> None:
         if not servers:
             sys.exit("no engine started")
         for s in servers:
-            uvloop.run(run_case(s, warmup, False))  # first-call costs (and compilation) before timing
+            uvloop.run(run_case(s, warmup, False, Measured()))  # first-call costs (and compilation) before timing
         greedy_report = agreement(servers, greedy, args.greedy_tokens)
         for r in range(args.rounds):
-            for s in servers[r % len(servers) :] + servers[: r % len(servers)]:  # the first one rotates
-                result = run_round(s, burst, batch1)
-                runs.setdefault(s.name, []).append(result)
+            for name, result in run_round(servers, r, burst, batch1).items():
+                runs.setdefault(name, []).append(result)
                 figures = ", ".join(f"{m} {result[c][k]:.1f}" for m, (c, k, _) in METRICS.items())
-                print(f"round {r + 1} {s.name}: {figures}, failed {result['burst']['failed']}")
+                print(f"round {r + 1} {name}: {figures}, failed {result['burst']['failed']}")
                 others = result["burst"]["other_cpu_s"] / result["burst"]["duration_s"]
                 if others > 0.25:  # of a core, on average
-                    print(f"  warning: other processes used {others:.2f} cores during {s.name}'s burst")
+                    print(f"  warning: other processes used {others:.2f} cores during {name}'s burst")
     engines = {name: summarize_engine(runs[name]) for name in runs}
     report = {
         "benchmark": "peers",
