@@ -329,11 +329,12 @@ def run_round(servers: list[Server], r: int, burst: list[bs.Job], batch1: list[b
     # Batch 1 request by request across the engines: each request goes to every engine in turn (the
     # first one rotating), so the machine's slow and fast phases, which switch within a minute,
     # fall on all of them alike. Run engine after engine, one engine's batch-1 time per token moved
-    # by up to 20% between rounds while the others' did not.
-    bs.settle("batch 1")
+    # by up to 20% between rounds while the others' did not. Each request waits for the machine
+    # to be quiet: the engine before may still be spinning down (see `bs.settle`).
     batch1_runs = {s.name: Measured() for s in servers}
     for k, job in enumerate(batch1):
         for s in order[k % len(order) :] + order[: k % len(order)]:
+            bs.settle(f"{s.name}'s batch-1 request")
             uvloop.run(run_case(s, [job], True, batch1_runs[s.name]))
     for s in servers:
         out[s.name]["batch1"] = batch1_runs[s.name].summary()
