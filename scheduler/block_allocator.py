@@ -69,6 +69,11 @@ class BlockAllocator:
         return len(self._free) + len(self._lru)
 
     @property
+    def num_empty(self) -> int:
+        """Free blocks that hold nothing cached: allocating them evicts nothing."""
+        return len(self._free)
+
+    @property
     def num_cached(self) -> int:
         """Blocks whose contents can be found by hash (used or not)."""
         return len(self._by_hash)

@@ -5,7 +5,8 @@ prefill or decode mode. A plan takes, for each chosen request, the next tokens i
 scheduled (at most `chunked_prefill_size`), and samples when those reach the end of the sequence.
 
 Pipelining rules:
-- At most `depth = pp_size + async_depth` plans are in flight, plus one when decoding runs ahead.
+- At most `depth = pp_size + async_depth` plans are in flight, plus one when decoding runs ahead
+  (used only while some request can go on with a plan of its own in flight: `_spare_useful`).
 - A request whose sampling chunk is in flight waits for that token (its next step depends on
   it), but for decoding ahead (below): one sampling plan in flight, two at PP=1. Prefill chunks
   do not sample, so consecutive chunks of one prompt go into consecutive plans and fill every stage at once.
@@ -14,9 +15,10 @@ Pipelining rules:
   sampled (a `follows` chunk: the stage puts its own token in). The stage starts that step as
   soon as the previous one ends, and the host's turnaround (result, update, plan) overlaps the
   compute instead of stalling it (at batch 1 on SmolLM2, 0.7 ms of every 15 ms step). A step
-  planned ahead past a request's end (EOS, a stop string) is computed and its token dropped.
-  Not for requests with a grammar (the stage starts their masks before the plan's token is
-  known) or whose KV is held for a transfer; never past max_tokens or the context length.
+  planned ahead past a request's end (EOS, a stop string) is computed and its token dropped, so
+  it takes only empty blocks: it never preempts or evicts for a token that may be dropped. Not
+  for requests with a grammar (the stage starts their masks before the plan's token is known)
+  or whose KV is held for a transfer; never past max_tokens or the context length.
 - Each plan takes at most ceil(active / pp_size) requests, so that decoding requests spread over
   pp_size micro-batches and every stage has one to work on.
 
@@ -25,14 +27,9 @@ then the most recently admitted request with nothing in flight is preempted (its
 recomputed later from its tokens). A finished or aborted request frees its blocks only once no
 plan in flight still writes them.
 
-Prefix caching: a request starts from the longest run of full blocks whose contents are cached
-(shared by reference; at least one token is always computed, to sample from), and skips ahead
-again whenever another request has since filled the blocks it would compute next: requests that
-arrive together with one system prompt take turns computing its chunks. A block becomes
-findable as soon as the plan that fills it is built (one filled by a step planned ahead, once
-`update` brings its token back): a later reader is in a later plan, which
-every stage runs after this one, or in the same plan, where each layer writes the batch's KV
-before any attention reads it. A pipeline that lost a stage's KV forgets every cached prefix.
+Prefix caching (prefix_cache.py): a request starts from its longest cached prefix of full
+blocks, and skips ahead whenever another request has since filled the blocks it would compute
+next; the blocks a plan fills become findable as it is built.
 
 Block tables: stages keep each request's table, and a plan carries only what changed. A chunk
 carries the blocks its request gained since its previous chunk (`num_blocks_sent` counts what the
@@ -40,13 +37,10 @@ stages hold; a request's table only grows while they hold it), or its whole tabl
 `new_table` when they hold none (its first chunk, or its first since a preemption or a pipeline
 reset); `released` and `preempted` name the requests whose tables the stages drop.
 
-Cache salt: a request's `cache_salt` (a tenant, or a client's own choice) roots the hash chain of
-its blocks, so only requests with the same salt (or none) share cached prefixes.
-
-Prompt logprobs: a request that asks for them computes its whole prompt, since a cached prefix
-has no logits; it never starts from cached blocks (it still registers the blocks it fills, for
-others). Each of its chunks carries the prompt tokens its rows predict (`PromptTargets`), minus
-those scored already, so a request recomputed after a preemption scores every token once.
+Prompt logprobs: a request that asks for them computes its whole prompt (none of it is taken
+from the cache, which has no logits). Each of its chunks carries the prompt tokens its rows
+predict (`PromptTargets`), minus those scored already, so a request recomputed after a
+preemption scores every token once.
 """
 
 from __future__ import annotations
@@ -55,9 +49,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ppserve.scheduler.block_allocator import BlockAllocator, block_hash, salt_root
+from ppserve.scheduler.block_allocator import BlockAllocator
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
 from ppserve.scheduler.latency_tracker import LatencyTracker
+from ppserve.scheduler.prefix_cache import PrefixCache
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.transport.messages import NewRequest, PromptTargets, Sampled, SeqChunk, StepPlan, StepResult
 
@@ -100,6 +95,7 @@ class Scheduler:
         self.ahead = config.decode_ahead and config.pp_size == 1  # the stage that samples also embeds
         self.depth = config.pp_size + config.async_depth + self.ahead
         self.allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cache = PrefixCache(self.allocator)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,8 +109,6 @@ class Scheduler:
         self._released: list[str] = []  # announced requests the stages may forget
         self._preempted: list[str] = []  # requests whose block tables the stages must drop
         self.num_preemptions = 0
-        self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
-        self.prefix_hits = 0  # ... and found there
         self.chunker = ChunkSizePredictor(
             config.chunked_prefill_size, config.chunk_smooth if config.dynamic_chunking else 0.0, config.block_size
         )
@@ -195,10 +189,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def prefix_queries(self) -> int:
+        """Tokens of admitted requests looked up in the prefix cache."""
+        return self.cache.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """... and found there."""
+        return self.cache.hits
+
     # ---- planning -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        if len(self.inflight) >= self.depth:
+        if len(self.inflight) >= self.depth or (len(self.inflight) == self.depth - 1 and not self._spare_useful()):
             return None
         cfg = self.config
         admissible = min(len(self.waiting), cfg.max_running_requests - len(self.running))
@@ -215,15 +219,16 @@ class Scheduler:
                 continue  # preempted just now (a running request always holds blocks)
             if r.samples_in_flight:
                 # While a request waits for KV blocks nobody runs ahead, so that the others come
-                # to rest (nothing in flight) and the most recent of them can be preempted.
-                if stalled or self._kv_stalled or not self._may_go_ahead(r):
+                # to rest (nothing in flight) and the most recent of them can be preempted. A
+                # step ahead (whose token EOS may drop) takes only empty blocks: it never
+                # preempts or evicts; without one it rests, and its next step is an ordinary one.
+                if stalled or self._kv_stalled or not self._may_go_ahead(r) or self._needs_blocks(r, 1):
                     continue
                 n = 1  # the step that reads the token in flight
             elif r.num_scheduled_tokens >= r.num_tokens:
                 continue
             else:
-                if self.allocator.enable_caching:
-                    self._skip_cached(r)
+                self.cache.skip_cached(r)
                 n = min(self._chunk_size(r), budget)
             if self._reserve(r, n):
                 budget -= self._take(r, n, items)
@@ -233,7 +238,7 @@ class Scheduler:
 
         while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
             r = self.waiting[0]  # new or preempted: nothing computed, no blocks
-            hits = self._cached_prefix(r)
+            hits = self.cache.cached_prefix(r)
             start = len(hits) * cfg.block_size
             n = min(self._chunk_size(r, start), budget)
             # Taking a cached block that nobody uses removes it from what can be allocated.
@@ -249,6 +254,28 @@ class Scheduler:
         if not items:
             return None
         return self._emit(items)
+
+    def _spare_useful(self) -> bool:
+        """Whether to use the last plan slot, which PP=1 keeps for steps planned ahead: only for a
+        request that goes on while a plan of its own is in flight (a step ahead, or a prompt's next
+        chunk). Used for requests at rest alone (a grammar's, a prefill held for a transfer, any
+        during a KV stall), it would split their decodes into two half batches that alternate,
+        the split that `async_depth` 0 avoids."""
+        if not self.ahead:
+            return True  # no slot kept: the last one is like any other
+        for r in self.running:
+            if not r.inflight_plans:
+                continue
+            if r.samples_in_flight:
+                if not self._kv_stalled and self._may_go_ahead(r) and not self._needs_blocks(r, 1):
+                    return True
+            elif r.num_scheduled_tokens < r.num_tokens:
+                return True
+        return False
+
+    def _needs_blocks(self, r: Request, n: int) -> bool:
+        """Whether r's next n tokens need more blocks than are empty (without evicting)."""
+        return self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table) > self.allocator.num_empty
 
     def _may_go_ahead(self, r: Request) -> bool:
         """Whether r's next decode step may be planned now, before the token it reads (sampled by
@@ -282,38 +309,8 @@ class Scheduler:
         never preempted while the plan is assembled), and the blocks it fills become findable."""
         r.inflight_plans += 1
         items.append((r, n))
-        if self.allocator.enable_caching:
-            bs = self.config.block_size
-            # A step planned ahead writes a token not known yet: `update` registers its block.
-            first = r.num_scheduled_tokens // bs
-            end = min(r.num_scheduled_tokens + n, r.num_tokens) // bs
-            self._hash_blocks(r, end)
-            for i in range(first, end):
-                self.allocator.register(r.block_table[i], r.block_hashes[i])
+        self.cache.filled(r, n)
         return n
-
-    # ---- prefix caching -------------------------------------------------------------------
-
-    def _hash_blocks(self, r: Request, num_blocks: int) -> None:
-        """Extend r.block_hashes to its first `num_blocks` full blocks."""
-        bs = self.config.block_size
-        for i in range(len(r.block_hashes), num_blocks):
-            # The salt roots the chain: requests of different salts (tenants) never find each
-            # other's blocks, so cache hits and their timing say nothing across tenants.
-            if i:
-                parent: bytes | None = r.block_hashes[i - 1]
-            else:
-                parent = None if r.cache_salt is None else salt_root(r.cache_salt)
-            r.block_hashes.append(block_hash(parent, r.token_slice(i * bs, (i + 1) * bs)))
-
-    def _cached_prefix(self, r: Request) -> list[int]:
-        """The cached blocks r can start from; the last token is never among them, so that
-        there is something to compute and sample from."""
-        if not self.allocator.enable_caching or r.params.prompt_logprobs is not None:
-            return []
-        usable = (r.num_tokens - 1) // self.config.block_size
-        self._hash_blocks(r, usable)
-        return self.allocator.lookup(r.block_hashes[:usable])
 
     def _admit(self, r: Request, hits: list[int]) -> None:
         """r starts running from its cached prefix (shared blocks, computed already)."""
@@ -321,32 +318,7 @@ class Scheduler:
         r.block_table.extend(hits)
         cached = len(hits) * self.config.block_size
         r.num_computed_tokens = r.num_scheduled_tokens = cached
-        if r.num_cached_tokens is None:  # what the client is told: its first admission only
-            r.num_cached_tokens = cached
-        if self.allocator.enable_caching:
-            self.prefix_queries += r.num_tokens
-            self.prefix_hits += cached
-
-    def _skip_cached(self, r: Request) -> None:
-        """A running request whose next blocks another request has filled since (in an earlier
-        plan, or earlier in this one) takes them instead of computing them again."""
-        bs = self.config.block_size
-        done = len(r.block_table)
-        usable = (r.num_tokens - 1) // bs
-        if r.num_scheduled_tokens != done * bs or usable <= done or r.params.prompt_logprobs is not None:
-            return  # mid-block (its next tokens go into a block of its own), nothing to find, or it needs logits
-        self._hash_blocks(r, usable)
-        hits = self.allocator.lookup(r.block_hashes[done:usable])
-        if not hits:
-            return
-        self.allocator.take(hits)
-        r.block_table.extend(hits)
-        skipped = len(hits) * bs
-        r.num_scheduled_tokens += skipped  # plans in flight still add theirs to num_computed_tokens
-        r.num_computed_tokens += skipped
-        self.prefix_hits += skipped
-        if not r.output_token_ids and r.num_cached_tokens is not None:
-            r.num_cached_tokens += skipped
+        self.cache.admitted(r, cached)
 
     def flush_cache(self) -> int:
         """Forget every cached prefix (requests running keep their blocks); returns how many
@@ -433,22 +405,13 @@ class Scheduler:
             req.samples_in_flight -= 1
             if req.append_token(s.token_id) is not None:
                 self._finish(req)
-            elif req.samples_in_flight and self.allocator.enable_caching:
-                self._register_ahead(req)
+            elif req.samples_in_flight:
+                self.cache.filled_ahead(req)
             out.append((req, s))
         for r, _ in record.items:
             if r.finished and r.inflight_plans == 0:
                 self._free(r)
         return out
-
-    def _register_ahead(self, r: Request) -> None:
-        """r's newest token is in a block a plan in flight (planned ahead) fills: if that token
-        completes it, the block is findable from now on, as `_take` makes the others."""
-        bs = self.config.block_size
-        if r.num_tokens % bs == 0 and r.num_scheduled_tokens >= r.num_tokens:
-            i = r.num_tokens // bs - 1
-            self._hash_blocks(r, i + 1)
-            self.allocator.register(r.block_table[i], r.block_hashes[i])
 
     def _finish(self, r: Request) -> None:
         if r in self.running:
@@ -476,6 +439,7 @@ class Scheduler:
         every live request is announced again and sends its whole block table again; nothing a
         client has seen is lost. Returns how many requests were preempted."""
         self.inflight.clear()
+        self._kv_stalled = False
         for r in list(self.requests.values()):
             r.inflight_plans = 0
             r.samples_in_flight = 0
@@ -504,6 +468,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.inflight.clear()
+        self._kv_stalled = False
         for r in ended:
             r.inflight_plans = 0
             self._free(r)

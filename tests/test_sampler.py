@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from ppserve.engine.model.sampler import (
-    BLOCK,
-    TOP_P_CANDIDATES,
-    Sampler,
-    apply_penalties,
-    filtered_probs,
-    inverse_transform,
-)
+from ppserve.engine.model.sampler import Sampler, apply_penalties
+from ppserve.engine.model.sampling_ops import BLOCK, TOP_P_CANDIDATES, filtered_probs, inverse_transform
 from ppserve.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50

@@ -345,3 +345,44 @@ def test_a_request_short_of_kv_blocks_stops_the_others_running_ahead_and_preempt
     assert len([c for p in plans for c in p.chunks if c.request_id == "new" and c.new_table]) > 1
     assert all(len(r.output_token_ids) == 12 for r in (old, new))
     assert s.allocator.num_free == 6
+
+
+def test_a_step_ahead_takes_only_empty_blocks_never_a_cached_one() -> None:
+    # 4 blocks of 4 tokens: "b" leaves its two full blocks cached, "a" takes the two empty ones.
+    s = make(pp=1, blocks=4)
+    s.add(Request("b", list(range(100, 108)), SamplingParams(max_tokens=1, temperature=0)))
+    drain(s)
+    assert (s.allocator.num_empty, s.allocator.num_evictable) == (2, 2)
+    s.add(a := Request("a", list(range(10, 17)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
+    prefill, ahead = planned(s), planned(s)
+    assert chunks_of(ahead) == [("a", 7, [-1], True)]  # position 7: still a's second block
+    complete(s, prefill)
+    # Position 8 needs a third block, which only evicting "b"'s could give: for a token that
+    # EOS may drop, "a" does not go ahead but rests until its token is back.
+    assert s.schedule() is None and s.allocator.num_evictions == 0
+    complete(s, ahead)
+    step = planned(s)
+    assert chunks_of(step) == [("a", 8, [7], False)] and s.allocator.num_evictions == 1
+    complete(s, step)
+    drain(s)
+    assert len(a.output_token_ids) == 8
+
+
+def test_the_spare_plan_at_pp1_is_only_for_requests_that_go_on_while_in_flight() -> None:
+    grammar = SamplingParams(max_tokens=3, temperature=0.0, grammar='start: "x"')
+    s = make(pp=1)
+    s.add(req("g1", 4, grammar))
+    first = planned(s)
+    s.add(req("g2", 4, grammar))
+    # g1 cannot go ahead (a grammar), and g2 alone in the spare plan would start a second, half
+    # batch: g2 waits, and both decode in one batch from then on.
+    assert s.schedule() is None
+    complete(s, first)
+    assert [c.request_id for c in planned(s).chunks] == ["g1", "g2"]
+    # A prompt's next chunk goes into the spare plan: the stage has it queued behind the first.
+    s = make(pp=1, chunk=8)
+    s.add(req("p", 20))
+    assert [chunks_of(p) for p in (planned(s), planned(s))] == [
+        [("p", 0, list(range(10, 18)), False)],
+        [("p", 8, list(range(18, 26)), False)],
+    ]

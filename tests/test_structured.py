@@ -25,7 +25,8 @@ from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.grammar import MAX_SPEC_CHARS, Grammars, build_grammar
-from ppserve.engine.model.sampler import Sampler, unpack_mask
+from ppserve.engine.model.sampler import Sampler
+from ppserve.engine.model.sampling_ops import unpack_mask
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.offline import OfflineEngine
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs

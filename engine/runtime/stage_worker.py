@@ -25,22 +25,21 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.disagg.kv_service import KvExporter, KvImporter
+from ppserve.engine.disagg.stage_kv import StageKv
 from ppserve.engine.runtime.cpu_affinity import pin_stage
 from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler, prompt_rows
 from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
 from ppserve.engine.runtime.synthetic import SyntheticRunner
-from ppserve.transport.addresses import Addresses, tcp_address
+from ppserve.transport.addresses import Addresses
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
@@ -51,7 +50,6 @@ from ppserve.transport.messages import (
     KvExpect,
     KvExport,
     KvForget,
-    KvStatus,
     PromptLogprobs,
     Reset,
     ResetDone,
@@ -169,8 +167,7 @@ class StageWorker:
         )
         self._gpu_clock: GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
-        self.kv: KvExporter | KvImporter | None = None  # disaggregation: this stage's KV sender or receiver
-        self._kv_tasks: set[asyncio.Task[None]] = set()
+        self.kv: StageKv | None = None  # disaggregation: this stage's KV sender or receiver
         self._computing: set[asyncio.Future[Computed]] = set()  # plans handed to the compute thread
         self.inbound: TensorChannel | None = None
         self.outbound: TensorChannel | None = None
@@ -240,68 +237,11 @@ class StageWorker:
                 await self._plans.put(None)
                 return
             elif isinstance(msg, (KvBootstrap, KvExport, KvExpect, KvForget)):
-                self._kv_message(msg)
+                assert self.kv is not None, f"{type(msg).__name__} for a stage that is not disaggregated"
+                self.kv.handle(msg)
             else:
                 assert isinstance(msg, StepPlan), f"unexpected {type(msg).__name__} on the plan socket"
                 await self._plans.put(msg)
-
-    def _kv_message(self, msg: KvBootstrap | KvExport | KvExpect | KvForget) -> None:
-        """Disaggregation (engine/disagg/kv_service.py): KV transfers run beside the pipeline."""
-        if isinstance(self.kv, KvExporter):
-            if isinstance(msg, KvBootstrap):
-                self._kv_room(msg.room, self.kv.bootstrap(msg.room, msg.targets))
-            elif isinstance(msg, KvExport):
-                self._kv_room(msg.room, self.kv.export(msg.room, msg.blocks))
-            elif isinstance(msg, KvForget):
-                self.kv.abort(msg.room)
-        elif isinstance(self.kv, KvImporter):
-            if isinstance(msg, KvExpect):
-                self.kv.expect(msg.room, msg.blocks)
-            elif isinstance(msg, KvForget):
-                self.kv.drop(msg.room)
-        self._kv_tasks = {t for t in self._kv_tasks if not t.done()}
-
-    def _kv_room(self, room: str, work: Coroutine[Any, Any, None]) -> None:
-        """Run one room's transfer step beside the pipeline. It reports its own failures; anything
-        else it raises fails the room (the host then ends it on both sides), never the stage."""
-
-        async def supervised() -> None:
-            try:
-                await work
-            except Exception as e:
-                log.exception("stage %d: room %s failed", self.stage, room)
-                await self.inbox.send(KvStatus(room, self.stage, "Failed", f"{type(e).__name__}: {e}"))
-
-        self._kv_tasks.add(asyncio.create_task(supervised()))
-
-    def _open_kv(self) -> None:
-        mode = self.config.disaggregation
-        if not mode:
-            return
-        loop = asyncio.get_running_loop()
-
-        async def run(fn: Callable[[], Any]) -> Any:  # where the stage computes: its cache is touched there only
-            return await loop.run_in_executor(self.compute_pool, fn)
-
-        async def report(status: KvStatus) -> None:
-            await self.inbox.send(status)
-
-        def cache() -> torch.Tensor:
-            return self.runner.kv_cache  # type: ignore[union-attr]
-
-        own = self.config.layer_ranges[self.stage]
-        faults = self.config.disagg_faults  # parsed once, where the config was made
-        dice = faults.for_stage(mode, self.stage) if faults is not None and faults.active else None
-        if mode == "prefill":
-            timeout_s = self.config.disagg_transfer_timeout_s
-            self.kv = KvExporter(
-                self.ctx, self.stage, own, cache, run, report, self.guard, faults=dice, send_timeout_s=timeout_s
-            )
-        else:
-            host = self._node_addr or self.config.disagg_host
-            address = tcp_address(host, "*")
-            self.kv = KvImporter(self.ctx, self.stage, own, cache, run, report, address, self.guard, faults=dice)
-            self._kv_tasks.add(self._watch(asyncio.create_task(self.kv.serve())))
 
     async def _reset(self, epoch: int, first_mb: int) -> None:
         """Void every plan received so far: stop the pipeline, let a computation in progress end
@@ -361,11 +301,16 @@ class StageWorker:
         # Every edge carries one tiny tensor now, so that connections (NCCL's communicators) exist
         # before serving: the first micro-batch never pays for them, nor waits on them.
         await asyncio.gather(*(ch.warm_up() for ch in (self.inbound, self.outbound) if ch is not None))
-        self._open_kv()
-        kv_address = self.kv.address if isinstance(self.kv, KvImporter) else ""
+        if self.config.disaggregation:  # KV transfers run beside the pipeline (engine/disagg/)
+            where = (self.ctx, self.config, self.stage, self._kv_cache, self.compute_pool, self.inbox)
+            self.kv = StageKv(*where, self.guard, self._node_addr, self._watch)
+        kv_address = self.kv.address if self.kv is not None else ""
         await self.inbox.send(
             StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile, kv_address)
         )
+
+    def _kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache  # type: ignore[union-attr]
 
     def _profile(self) -> list[tuple[int, int, float]]:
         """Compute thread: time prefills for the host's chunk-size model."""
@@ -405,9 +350,17 @@ class StageWorker:
             plan, header, hidden = item
             computed = loop.run_in_executor(self.compute_pool, self._execute, plan, hidden)
             self._computing.add(computed)
-            computed.add_done_callback(self._computing.discard)
+            computed.add_done_callback(self._computed)
             await outputs.put((plan, header.timings if header else [], computed))
         await outputs.put(None)
+
+    def _computed(self, computed: asyncio.Future[Computed]) -> None:
+        """A plan's output is in, or it was cancelled. Its error is read here as well: the send
+        task raises it, in order, but nobody awaits the outputs after a reset or a failed send,
+        and asyncio would log each of those as never retrieved."""
+        self._computing.discard(computed)
+        if not computed.cancelled():
+            computed.exception()
 
     def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> Computed:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
@@ -481,8 +434,6 @@ class StageWorker:
         for ch in (self.inbound, self.outbound):
             if ch is not None:
                 ch.close()
-        for task in self._kv_tasks:
-            task.cancel()
         if self.kv is not None:
             self.kv.close()
         self.inbox.close()
