@@ -117,7 +117,9 @@ class OfflineEngine:
         self._check_done()
 
     def _check_done(self) -> None:
-        if self._done is not None and all(r.finished for r in self._serving):
+        # Done once the pipeline is idle too: a step planned ahead may still be in flight for a
+        # request that has ended, and its result must not be lost with this loop.
+        if self._done is not None and not self.scheduler.inflight and all(r.finished for r in self._serving):
             self._done.set()
 
     def close(self) -> None:

@@ -110,6 +110,9 @@ def test_decoding_ahead_changes_no_output(llama_dir: Path, monkeypatch: pytest.M
         planned = record_plans(pipe, monkeypatch)
         runs[name] = [(g.token_ids, g.finish_reason, g.samples) for g in pipe.generate(prompts, params)]
         assert pipe.allocator.num_free == pipe.allocator.num_blocks
+        assert not pipe.scheduler.inflight  # the step planned ahead past the stop token came back
+        again = pipe.generate([prompts[4]], params[4])[0]  # the same pipeline serves on
+        assert (again.token_ids, again.finish_reason) == runs[name][4][:2]
         assert any(c.follows for p in planned for c in p.chunks) == (name == "pp1"), name
     assert runs["pp1"] == runs["pp1-behind"] == runs["pp2"]
     assert runs["pp1"][4][0] == free_run[: free_run.index(free_run[5]) + 1]

@@ -37,7 +37,8 @@ class Executor(Protocol):
 
 class OutputSink(Protocol):
     def emit(self, outputs: Outputs, result: StepResult) -> None:
-        """Hand what a micro-batch sampled to its requests' readers."""
+        """Hand what a micro-batch sampled to its requests' readers (called for every result, also
+        one that sampled nothing)."""
 
 
 class EngineCore:
@@ -58,11 +59,12 @@ class EngineCore:
                 self.executor.submit(plan)
             # Tokens go out after planning: the stages wait on the plan, while detokenizing and
             # waking the readers of 100s of streams can wait a moment.
-            if outputs and result is not None:
+            if result is not None:
                 self.sink.emit(outputs, result)
             result = await self.executor.next_result()
             if result is None or result.mb_id not in self.scheduler.inflight:
-                outputs = []  # woken (a request came or went), or a result of a plan voided by a reset
+                # Woken (a request came or went), or a result of a plan voided by a reset.
+                outputs, result = [], None
                 continue
             self.timeline.on_result(result)
             outputs = self.scheduler.update(result)
