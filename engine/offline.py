@@ -102,7 +102,9 @@ class OfflineEngine:
             for task in (loop, done):
                 task.cancel()
             await asyncio.gather(loop, done, return_exceptions=True)
-            if not all(r.finished for r in requests):  # the loop failed: void what is in flight
+            # The loop failed or was cancelled: void what is in flight (perhaps only a step
+            # planned ahead of a request that has ended), or the next batch would wait for it.
+            if self.scheduler.inflight or not all(r.finished for r in requests):
                 self.core.reset_pipeline()
                 self.executor.reset()
                 for r in requests:

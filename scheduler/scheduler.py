@@ -260,9 +260,12 @@ class Scheduler:
         request that goes on while a plan of its own is in flight (a step ahead, or a prompt's next
         chunk). Used for requests at rest alone (a grammar's, a prefill held for a transfer, any
         during a KV stall), it would split their decodes into two half batches that alternate,
-        the split that `async_depth` 0 avoids."""
+        the split that `async_depth` 0 avoids. (Beside a request that goes ahead, one that cannot
+        still joins every other plan: its token is in flight in the others.)"""
         if not self.ahead:
             return True  # no slot kept: the last one is like any other
+        if not any(r.inflight_plans for r in self.running):
+            return True  # only ended requests' steps are in flight: there is no batch to split
         for r in self.running:
             if not r.inflight_plans:
                 continue
@@ -469,7 +472,10 @@ class Scheduler:
         self.running.clear()
         self.inflight.clear()
         self._kv_stalled = False
-        for r in ended:
+        # Also those that ended with a plan still in flight (not running any more): nothing
+        # writes their blocks now.
+        lingering = [r for r in self.requests.values() if r.finished and r not in ended]
+        for r in [*ended, *lingering]:
             r.inflight_plans = 0
             self._free(r)
         self.allocator.flush()

@@ -116,3 +116,32 @@ def test_decoding_ahead_changes_no_output(llama_dir: Path, monkeypatch: pytest.M
         assert any(c.follows for p in planned for c in p.chunks) == (name == "pp1"), name
     assert runs["pp1"] == runs["pp1-behind"] == runs["pp2"]
     assert runs["pp1"][4][0] == free_run[: free_run.index(free_run[5]) + 1]
+
+
+def test_a_failed_step_planned_past_the_end_leaves_the_engine_clean(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step planned ahead past a stop token is still in flight when the request ends; if it
+    fails, `generate` raises, and the engine is left with nothing in flight and every block
+    free, so the next batch runs (it waited forever for that step's result before)."""
+    pipe = pipeline(llama_dir)
+    free_run = pipe.generate([PROMPT], _greedy(20, ignore_eos=True))[0].token_ids
+    stop = free_run[3]
+    params = _greedy(20, stop_token_ids=(stop,))
+    run, ended = pipe.executor.run, [False]
+
+    def fails_after_the_stop(plan: StepPlan) -> StepResult:
+        if ended[0]:
+            raise RuntimeError("the step after the stop token failed")
+        result = run(plan)
+        ended[0] = any(s.token_id == stop for s in result.samples)
+        return result
+
+    monkeypatch.setattr(pipe.executor, "run", fails_after_the_stop)
+    with pytest.raises(RuntimeError, match="after the stop token"):
+        pipe.generate([PROMPT], params)
+    assert not pipe.scheduler.inflight and pipe.allocator.num_free == pipe.allocator.num_blocks
+    monkeypatch.undo()
+    out = pipe.generate([PROMPT], params)[0]
+    assert out.token_ids == free_run[: free_run.index(stop) + 1] and out.finish_reason == FinishReason.STOP
+    assert pipe.allocator.num_free == pipe.allocator.num_blocks

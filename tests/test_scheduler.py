@@ -386,3 +386,21 @@ def test_the_spare_plan_at_pp1_is_only_for_requests_that_go_on_while_in_flight()
         [("p", 0, list(range(10, 18)), False)],
         [("p", 8, list(range(18, 26)), False)],
     ]
+    # Only an ended request's step is in flight (planned ahead past its EOS): there is no batch
+    # to split, and a request that comes now starts at once.
+    s = make(pp=1)
+    s.add(Request("e", [10, 11, 12], SamplingParams(max_tokens=10, temperature=0.0), eos_token_ids=(2,)))
+    first, _ = planned(s), planned(s)
+    complete(s, first, token=2)
+    s.add(req("n", 4))
+    assert [c.request_id for c in planned(s).chunks] == ["n"]
+
+
+def test_fail_all_frees_a_request_that_ended_with_a_step_in_flight() -> None:
+    s = make(pp=1, blocks=8)
+    s.add(Request("e", [10, 11, 12], SamplingParams(max_tokens=10, temperature=0.0), eos_token_ids=(2,)))
+    first, _ = planned(s), planned(s)  # the second is planned ahead, past the EOS to come
+    complete(s, first, token=2)
+    s.add(req("w", 4))
+    assert [r.request_id for r in s.fail_all()] == ["w"]
+    assert not s.requests and s.allocator.num_free == 8

@@ -88,8 +88,12 @@ class InProcessExecutor:
 
     def reset(self) -> None:
         """Void the queued plans, the block tables and the sampling state, as a pipeline reset
-        does to the stages (the scheduler then sends every table whole again)."""
+        does to the stages (the scheduler then sends every table whole again). Runs on the compute
+        thread, after the plan it may still be computing (its awaiting loop was cancelled)."""
         self._plans.clear()
+        self._thread.submit(self._clear).result()
+
+    def _clear(self) -> None:
         self.sampler.clear()
         for runner in self.runners:
             runner.clear_tables()

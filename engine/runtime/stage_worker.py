@@ -359,8 +359,10 @@ class StageWorker:
         task raises it, in order, but nobody awaits the outputs after a reset or a failed send,
         and asyncio would log each of those as never retrieved."""
         self._computing.discard(computed)
-        if not computed.cancelled():
-            computed.exception()
+        if not computed.cancelled() and (error := computed.exception()) is not None:
+            # The send task raises it if the plan is still wanted; a voided plan's error would
+            # otherwise go unseen, and it may well come back.
+            log.warning("stage %d: a plan failed: %r", self.stage, error)
 
     def _execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> Computed:
         """Compute thread: this stage's layers; on the last stage, sampling too. On CUDA, with
