@@ -460,8 +460,10 @@ class Scheduler:
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
         """Everything waiting, running, held or receiving ends (a stage died); returns them."""
         ended = list(self.waiting) + list(self.running) + list(self.receiving.values())
+        # Those that ended with a plan still in flight are freed too: nothing writes their blocks now.
+        lingering = [r for r in self.requests.values() if r.finished]
         self.receiving.clear()
-        for r in [*self.held.values(), *ended]:
+        for r in [*self.held.values(), *ended, *lingering]:
             r.hold_kv = False
         for r in self.held.values():
             self._free(r)
@@ -472,9 +474,6 @@ class Scheduler:
         self.running.clear()
         self.inflight.clear()
         self._kv_stalled = False
-        # Also those that ended with a plan still in flight (not running any more): nothing
-        # writes their blocks now.
-        lingering = [r for r in self.requests.values() if r.finished and r not in ended]
         for r in [*ended, *lingering]:
             r.inflight_plans = 0
             self._free(r)
