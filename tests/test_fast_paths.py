@@ -16,6 +16,7 @@ from ppserve.engine.model.attention import AttentionMetadata, paged_attention
 from ppserve.engine.model.linear import MIN_ROWS, Linear, default_kernel, fuse_linears, onednn_rows
 from ppserve.engine.model.model import RMSNorm, apply_rope, rope_inv_freq
 from ppserve.engine.model.model_config import RopeConfig
+from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
 
@@ -258,6 +259,43 @@ def test_float_gemm_row_does_not_depend_on_batch(dtype: torch.dtype) -> None:
     whole = linear(x)
     for start, rows in [(0, 1), (5, 1), (3, 7), (250, 9), (299, 1), (100, 200)]:
         assert torch.equal(linear(x[start : start + rows]), whole[start : start + rows])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_gemm_same_whichever_threads_take_its_groups(kind: str) -> None:
+    """ppserve's GEMMs share a weight's groups out over the thread team, and a thread done with its
+    own takes over what is left of the others' (`shared_for`, cpu_kernels.h). With 8 threads on
+    this machine's cores the OS stops threads in the middle of their groups, so that the others
+    take them: every output is still written once and bitwise equal to one thread's, at M = 1,
+    7, 32 and 200, over rounds."""
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(2000, 96, generator=gen)  # 63 float groups, 125 quantized ones
+    if kind.startswith("int"):
+        if not cpu_kernels.quant_gemm_available(torch.device("cpu"), dtype):
+            pytest.skip("no AVX-512 VNNI here: torch's quantized kernels run")
+        if kind == "int8":
+            qw = quantize_int8(w)
+        else:
+            q = torch.randint(0, 16, (2000, 96), generator=gen, dtype=torch.uint8)
+            qw = QuantWeight(4, q, torch.rand(2000, 96 // GROUP, generator=gen), torch.randn(2000, 96 // GROUP))
+        linear: Linear | QuantLinear = QuantLinear(qw, None, dtype, torch.device("cpu"), "ppserve")
+    else:
+        if not cpu_kernels.float_gemm_available(torch.device("cpu"), dtype):
+            pytest.skip("no ppserve GEMM for this dtype here: oneDNN runs")
+        linear = Linear(w.to(dtype), None, "ppserve")
+    xs = [torch.randn(rows, 96, generator=gen).to(dtype) for rows in (1, 7, 32, 200)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [linear(x) for x in xs]
+        for threads in (2, 8):
+            torch.set_num_threads(threads)
+            for _ in range(20):
+                for x, want in zip(xs, alone, strict=True):
+                    assert torch.equal(linear(x), want)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(

@@ -124,8 +124,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
   const int64_t groups = (N + kFLanes - 1) / kFLanes;
   for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
     const int64_t c1 = std::min(M, c0 + kFChunk);
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
+    shared_for(groups, [&](int64_t g, int64_t after) {
       const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
       const __mmask16 m0 = lane_mask(lanes), m1 = lane_mask(std::max<int64_t>(0, lanes - 16));
       const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, bias + n0);
@@ -134,12 +133,12 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
         const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
         __m512 acc[2 * kFRows];
         // A group's first pass waits on memory for its weights and the later ones find them in
-        // cache, computing; the second pass brings in the next group's (the thread's next, under
-        // a static schedule), so that the next group's first pass computes too. With a single
-        // pass (up to 8 rows), it brings them in itself: two streams from memory rather than one
-        // (8 rows: 0.8x the time; batch 1 is at memory speed either way).
-        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && g + 1 < groups;
-        const float* next = fetch_next ? w + (g + 1) * K * kFLanes : nullptr;
+        // cache, computing; the second pass brings in the next group's (the thread's next), so
+        // that the next group's first pass computes too. With a single pass (up to 8 rows), it
+        // brings them in itself: two streams from memory rather than one (8 rows: 0.8x the time;
+        // batch 1 is at memory speed either way).
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;
+        const float* next = fetch_next ? w + after * K * kFLanes : nullptr;
         float_pass(rows, x + r0 * K, K, w + g * K * kFLanes, next, acc);
         for (int i = 0; i < rows; ++i) {
           const __m512 lo = _mm512_add_ps(acc[2 * i], b0), hi = _mm512_add_ps(acc[2 * i + 1], b1);
@@ -152,7 +151,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
           }
         }
       }
-    }
+    });
   }
 }
 
@@ -167,8 +166,7 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
   const int64_t groups = (N + kFLanes - 1) / kFLanes;
   for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
     const int64_t c1 = std::min(M, c0 + kFChunk);
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
+    shared_for(groups, [&](int64_t g, int64_t after) {
       const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
       const __mmask16 m0 = lane_mask(lanes), m1 = lane_mask(std::max<int64_t>(0, lanes - 16));
       auto load_bias = [&](__mmask16 m, int64_t at) {  // bfloat16 -> float: into the high half
@@ -179,8 +177,8 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
       for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
         __m512 acc[2 * kFRows];
-        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && g + 1 < groups;  // as float_gemm's
-        const uint32_t* next = fetch_next ? w + (g + 1) * (K / 2) * kFLanes : nullptr;
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;  // as float_gemm's
+        const uint32_t* next = fetch_next ? w + after * (K / 2) * kFLanes : nullptr;
         float_pass(rows, x + r0 * K, K, w + g * (K / 2) * kFLanes, next, acc);
         for (int i = 0; i < rows; ++i) {
           uint16_t* out = y + (r0 + i) * N + n0;
@@ -188,7 +186,7 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
           store_bf16(out + 16, m1, _mm512_add_ps(acc[2 * i + 1], b1));
         }
       }
-    }
+    });
   }
 }
 #endif  // AVX-512 BF16
@@ -308,33 +306,31 @@ void quant_gemm(const T* x, const uint8_t* w, const uint16_t* scales, const uint
   quantize_acts(x, M, K, mine);
   const int64_t blocks = K / kQBlock, groups = (N + kQLanes - 1) / kQLanes, passes = (M + kQRows - 1) / kQRows;
   const int64_t group_bytes = blocks * (Bits == 4 ? 256 : 512);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t p = 0; p < passes; ++p) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = p * kQRows, rows = std::min<int64_t>(kQRows, M - m0);
-      const uint8_t* wg = w + g * group_bytes;
-      const uint16_t* sg = scales + g * blocks * kQLanes;
-      const uint16_t* mg = Bits == 4 ? mins + g * blocks * kQLanes : nullptr;
-      __m512 acc[kQRows];
-      switch (rows) {  // the rows' accumulators stay in registers: one instance per count
-        case 8: quant_group<Bits, 8>(wg, sg, mg, acts, m0, K, acc); break;
-        case 7: quant_group<Bits, 7>(wg, sg, mg, acts, m0, K, acc); break;
-        case 6: quant_group<Bits, 6>(wg, sg, mg, acts, m0, K, acc); break;
-        case 5: quant_group<Bits, 5>(wg, sg, mg, acts, m0, K, acc); break;
-        case 4: quant_group<Bits, 4>(wg, sg, mg, acts, m0, K, acc); break;
-        case 3: quant_group<Bits, 3>(wg, sg, mg, acts, m0, K, acc); break;
-        case 2: quant_group<Bits, 2>(wg, sg, mg, acts, m0, K, acc); break;
-        default: quant_group<Bits, 1>(wg, sg, mg, acts, m0, K, acc); break;
-      }
-      const int64_t n0 = g * kQLanes, lanes = std::min<int64_t>(kQLanes, N - n0);  // the last group's padding
-      for (int64_t i = 0; i < rows; ++i) {
-        alignas(64) float v[kQLanes];
-        _mm512_store_ps(v, acc[i]);
-        T* out = y + (m0 + i) * N + n0;
-        for (int64_t l = 0; l < lanes; ++l) store(out + l, bias == nullptr ? v[l] : v[l] + to_float(bias[n0 + l]));
-      }
+  shared_for(passes * groups, [&](int64_t item, int64_t) {
+    const int64_t p = item / groups, g = item % groups;
+    const int64_t m0 = p * kQRows, rows = std::min<int64_t>(kQRows, M - m0);
+    const uint8_t* wg = w + g * group_bytes;
+    const uint16_t* sg = scales + g * blocks * kQLanes;
+    const uint16_t* mg = Bits == 4 ? mins + g * blocks * kQLanes : nullptr;
+    __m512 acc[kQRows];
+    switch (rows) {  // the rows' accumulators stay in registers: one instance per count
+      case 8: quant_group<Bits, 8>(wg, sg, mg, acts, m0, K, acc); break;
+      case 7: quant_group<Bits, 7>(wg, sg, mg, acts, m0, K, acc); break;
+      case 6: quant_group<Bits, 6>(wg, sg, mg, acts, m0, K, acc); break;
+      case 5: quant_group<Bits, 5>(wg, sg, mg, acts, m0, K, acc); break;
+      case 4: quant_group<Bits, 4>(wg, sg, mg, acts, m0, K, acc); break;
+      case 3: quant_group<Bits, 3>(wg, sg, mg, acts, m0, K, acc); break;
+      case 2: quant_group<Bits, 2>(wg, sg, mg, acts, m0, K, acc); break;
+      default: quant_group<Bits, 1>(wg, sg, mg, acts, m0, K, acc); break;
     }
-  }
+    const int64_t n0 = g * kQLanes, lanes = std::min<int64_t>(kQLanes, N - n0);  // the last group's padding
+    for (int64_t i = 0; i < rows; ++i) {
+      alignas(64) float v[kQLanes];
+      _mm512_store_ps(v, acc[i]);
+      T* out = y + (m0 + i) * N + n0;
+      for (int64_t l = 0; l < lanes; ++l) store(out + l, bias == nullptr ? v[l] : v[l] + to_float(bias[n0 + l]));
+    }
+  });
 }
 #endif  // AVX-512 VNNI
 
