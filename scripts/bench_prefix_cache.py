@@ -50,8 +50,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_peers as bp  # noqa: E402
 import bench_serving as bs  # noqa: E402
+import peer_servers as peers  # noqa: E402
 from bench_record import write_result  # noqa: E402
 from peers_setup import SHAPES, checkpoint  # noqa: E402
 
@@ -97,7 +97,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, An
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: Messages, max_tokens: int) -> Reply:
-    body = {"model": bp.MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": peers.MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     reply, text = Reply(bs.Record()), []
     try:
@@ -142,7 +142,7 @@ Prompter = Callable[[int, int, list[Reply]], Messages]  # (conversation, turn, r
 
 
 async def workload(
-    session: aiohttp.ClientSession, server: bp.Server, args: argparse.Namespace, prompter: Prompter
+    session: aiohttp.ClientSession, server: peers.Server, args: argparse.Namespace, prompter: Prompter
 ) -> tuple[dict[str, Any], list[list[Messages]], list[list[Reply]]]:
     """All conversations at once, each one's turns in order; the figures, and what was sent and got."""
     sent: list[list[Messages]] = [[] for _ in range(args.conversations)]
@@ -157,7 +157,7 @@ async def workload(
             replies.append(await chat(session, server.url, sent[c][-1], args.max_tokens))
         return replies
 
-    tree, me = [server.proc.pid, *bp.descendants(server.proc.pid)], [os.getpid()]
+    tree, me = [server.proc.pid, *peers.descendants(server.proc.pid)], [os.getpid()]
     before, cpu, client, busy = await scrape(session, server.url), bs.cpu_s(tree), bs.cpu_s(me), bs.machine_busy_s()
     start = time.perf_counter()
     replies = await asyncio.gather(*[conversation(c) for c in range(args.conversations)])
@@ -193,7 +193,7 @@ async def workload(
 
 
 async def bench_server(
-    server: bp.Server, args: argparse.Namespace, prompts: dict[str, Prompter], tok: Tokenizer
+    server: peers.Server, args: argparse.Namespace, prompts: dict[str, Prompter], tok: Tokenizer
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Warm-up, then each workload; the figures, and the multi-turn replies (greedy: on and off
     should agree)."""
@@ -360,7 +360,7 @@ def progress(run: str, result: dict[str, dict[str, Any]]) -> None:
 def main() -> None:
     args = parse_args()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each unwinds the `with`: the server stops
-        signal.signal(sig, bp.interrupt)
+        signal.signal(sig, peers.interrupt)
     t0 = time.monotonic()
     model_dir = tiny_random_checkpoint() if args.shape == "tiny" else checkpoint(args.shape)
     tok = Tokenizer(model_dir)
@@ -376,7 +376,7 @@ def main() -> None:
                 shape=args.shape, dtype=args.dtype, ppserve_args=flags, start_timeout=args.start_timeout
             )
             # One server at a time: with 2 cores, two would slow each other down.
-            with bp.serve(f"ppserve-pp{args.pp_size}", model_dir, ns) as server:
+            with peers.serve(f"ppserve-pp{args.pp_size}", model_dir, ns) as server:
                 result, texts = uvloop.run(bench_server(server, args, prompts, tok))
             runs[mode].append(result)
             replies.setdefault(mode, texts)

@@ -233,13 +233,13 @@ async def http_burst(
 
 def against_vllm(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """ppserve PP=1 and vLLM on the same chat requests over HTTP, each constrained and not."""
-    import bench_peers
+    import peer_servers
 
     peers_args = argparse.Namespace(dtype="float32", ppserve_args="", vllm_no_preload=False, start_timeout=600)
     prompts = [f"Describe {TOPICS[i % len(TOPICS)]} as a person." for i in range(args.requests)]
     out: dict[str, Any] = {}
     for name in ("ppserve-pp1", "vllm"):
-        with bench_peers.serve(name, model_dir, peers_args) as server:
+        with peer_servers.serve(name, model_dir, peers_args) as server:
             counts: list[int] = [0] * args.requests
             asyncio.run(http_burst(server.url, prompts, SCHEMA, counts, args.max_tokens))  # warm-up, lengths
             rounds: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
