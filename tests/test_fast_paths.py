@@ -265,9 +265,10 @@ def test_float_gemm_row_does_not_depend_on_batch(dtype: torch.dtype) -> None:
 def test_gemm_same_whichever_threads_take_its_groups(kind: str) -> None:
     """ppserve's GEMMs share a weight's groups out over the thread team, and a thread done with its
     own takes over what is left of the others' (`shared_for`, cpu_kernels.h). With 8 threads on
-    this machine's cores the OS stops threads in the middle of their groups, so that the others
-    take them: every output is still written once and bitwise equal to one thread's, at M = 1,
-    7, 32 and 200, over rounds."""
+    two cores the OS stops threads in the middle of their groups, so that the others take them:
+    every output is still bitwise equal to one thread's, at M = 1, 7, 32 and 200, over rounds.
+    Before each call a block of NaN of the output's size is freed, which the output usually
+    reuses, so that a group nobody computed shows (a thief that skips its groups fails this)."""
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(2000, 96, generator=gen)  # 63 float groups, 125 quantized ones
@@ -293,6 +294,7 @@ def test_gemm_same_whichever_threads_take_its_groups(kind: str) -> None:
             torch.set_num_threads(threads)
             for _ in range(20):
                 for x, want in zip(xs, alone, strict=True):
+                    torch.full_like(want, float("nan"))  # made and freed at once
                     assert torch.equal(linear(x), want)
     finally:
         torch.set_num_threads(before)

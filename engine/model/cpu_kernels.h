@@ -90,7 +90,8 @@ inline __m512 silu16(__m512 x) {
 // thread's sequential stream through the weights (13.5 -> 17 ms a step). SmolLM2's batch-1 GEMMs
 // beside a process that spins 10% of a core: 0.96-0.98x the static split's time, the same alone.
 // Which thread computes an item does not change its result. f(item, next): `next` is the item
-// that thread most likely takes after this one (for its prefetches), or -1. n < 2^32.
+// that thread most likely takes after this one (for its prefetches), or -1. n < 2^32. `f` must not
+// call shared_for with the same `F` (its ranges are per calling thread and per `F`).
 template <typename F>
 void shared_for(int64_t n, F&& f) {
   // Per thread, its range's front (low 32 bits) and back (high 32 bits), in one word so that the
