@@ -83,6 +83,8 @@ class EngineConfig:
     # pickled to the stages with the rest, so that no process reads the environment later.
     disagg_faults: DisaggFaults | None = None  # injected PD faults (PPSERVE_DISAGG_FAULTS)
     pin_stages: bool = False  # each stage on its own cores (PPSERVE_PIN_STAGES=1; engine/runtime/cpu_affinity.py)
+    # Stages' compute threads run at this nice value (PPSERVE_COMPUTE_NICE; engine/runtime/priority.py)
+    compute_nice: int = 10
     cpu_kernels: bool = True  # decode attention and fused norm, RoPE, SiLU (PPSERVE_CPU_KERNELS=0: torch ops)
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
     # Debug: stages report every event-loop callback that uses more CPU than this
@@ -270,6 +272,8 @@ def _validate(s: dict[str, Any]) -> None:
         raise ConfigError(f"async_depth must be >= 0, got {s['async_depth']}")
     if s["threads_per_stage"] < 1:
         raise ConfigError(f"threads_per_stage must be >= 1, got {s['threads_per_stage']}")
+    if not 0 <= s["compute_nice"] <= 19:
+        raise ConfigError(f"compute_nice must be in [0, 19] (a nice value), got {s['compute_nice']}")
     for name in ("stage_start_timeout_s", "stage_restart_window_s"):
         if not math.isfinite(s[name]) or s[name] <= 0:
             raise ConfigError(f"{name} must be a positive number of seconds, got {s[name]}")

@@ -25,6 +25,7 @@ PIN_STAGES_ENV = "PPSERVE_PIN_STAGES"
 CPU_KERNELS_ENV = "PPSERVE_CPU_KERNELS"
 LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"
 DECODE_AHEAD_ENV = "PPSERVE_DECODE_AHEAD"
+COMPUTE_NICE_ENV = "PPSERVE_COMPUTE_NICE"
 
 
 def _number(name: str) -> float | None:
@@ -38,6 +39,13 @@ def _number(name: str) -> float | None:
     if not math.isfinite(number) or number < 0:
         raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
     return number
+
+
+def _nice() -> int | None:
+    number = _number(COMPUTE_NICE_ENV)
+    if number is not None and number != int(number):
+        raise ConfigError(f"{COMPUTE_NICE_ENV} must be a whole number, got {number!r}")
+    return None if number is None else int(number)
 
 
 def _loop_watch() -> float | None:
@@ -54,6 +62,8 @@ READERS: dict[str, Callable[[], Any]] = {
     "cpu_kernels": lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0",
     # On unless switched off (A/B: the host's turnaround between decode steps; scheduler/scheduler.py).
     "decode_ahead": lambda: os.environ.get(DECODE_AHEAD_ENV, "1") != "0",
+    # How far below the host and the stages' event loops the compute threads run (engine/runtime/priority.py).
+    "compute_nice": _nice,
     "cache_dir": lambda: str(cache_dir()),
     "disagg_faults": DisaggFaults.from_env,  # malformed: a ValueError before anything starts
     # Tests: stages report event-loop callbacks over this many ms of CPU (engine/runtime/loop_watch.py).

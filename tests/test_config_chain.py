@@ -24,7 +24,12 @@ from ppserve.server.cli import build_parser
 from ppserve.server.cli_cluster import DISAGG_FLAGS
 from ppserve.server.cli_engine import ENGINE_FLAGS, engine_settings
 
-ENGINE_ENV: tuple[str, ...] = (environment.SMOOTH_ENV, environment.PIN_STAGES_ENV, environment.CPU_KERNELS_ENV)
+ENGINE_ENV: tuple[str, ...] = (
+    environment.SMOOTH_ENV,
+    environment.PIN_STAGES_ENV,
+    environment.CPU_KERNELS_ENV,
+    environment.COMPUTE_NICE_ENV,
+)
 ENGINE_ENV += (environment.DECODE_AHEAD_ENV, FAULTS_ENV)
 # Where the PPSERVE_* variables may be read (engine/environment.py says why each is where it is).
 ENV_READERS = {"engine/environment.py", "engine/model/cache_dir.py", "engine/disagg/faults.py"}
@@ -118,6 +123,7 @@ def test_the_environment_is_read_once_into_the_config(
     monkeypatch.setenv(environment.PIN_STAGES_ENV, "1")
     monkeypatch.setenv(environment.CPU_KERNELS_ENV, "0")
     monkeypatch.setenv(environment.DECODE_AHEAD_ENV, "0")
+    monkeypatch.setenv(environment.COMPUTE_NICE_ENV, "3")
     monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(FAULTS_ENV, "fail_transfer=1,seed=4")
     pd: dict[str, Any] = {"disaggregation": "prefill", "disagg_insecure": True}
@@ -127,6 +133,7 @@ def test_the_environment_is_read_once_into_the_config(
         expected
     )
     assert not config.decode_ahead and not config.scheduler_config().decode_ahead
+    assert config.compute_nice == 3
     assert EngineConfig.create(llama_dir).disagg_faults is None  # only a disaggregated engine injects faults
     given = EngineConfig.create(llama_dir, chunk_smooth=0.2, pin_stages=False, cpu_kernels=True, decode_ahead=True)
     assert (given.chunk_smooth, given.pin_stages, given.cpu_kernels, given.decode_ahead) == (0.2, False, True, True)

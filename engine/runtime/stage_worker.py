@@ -36,6 +36,7 @@ from ppserve.engine.disagg.stage_kv import StageKv
 from ppserve.engine.runtime.cpu_affinity import pin_stage
 from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
+from ppserve.engine.runtime.priority import lower_this_thread
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler, prompt_rows
 from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
 from ppserve.engine.runtime.synthetic import SyntheticRunner
@@ -93,7 +94,8 @@ class StageLaunch:
     node_addr: str = ""  # this stage's node address, where its sockets bind (Ray; a cluster's is in its config)
 
 
-def _init_compute_thread(threads: int, gpu: int | None) -> None:
+def _init_compute_thread(threads: int, gpu: int | None, nice: int) -> None:
+    lower_this_thread(nice)  # before its OpenMP team starts, which inherits it (priority.py)
     torch.set_num_threads(threads)
     if gpu is not None:
         torch.cuda.set_device(gpu)
@@ -154,7 +156,7 @@ class StageWorker:
             max_workers=1,
             thread_name_prefix="compute",
             initializer=_init_compute_thread,
-            initargs=(launch.threads, self.gpu),
+            initargs=(launch.threads, self.gpu, launch.config.compute_nice),
         )
         self._timer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timer")  # CUDA events (see Span)
         # Activations' copies into and out of the tensor channels (shared memory, host frames):
@@ -163,7 +165,7 @@ class StageWorker:
             max_workers=1,
             thread_name_prefix="copy",
             initializer=_init_compute_thread,
-            initargs=(launch.threads, self.gpu),
+            initargs=(launch.threads, self.gpu, launch.config.compute_nice),
         )
         self._gpu_clock: GpuClock | None = None  # set at start-up on CUDA (synthetic stages: wall clock)
         self._dist = False  # joined a torch.distributed process group
