@@ -1,4 +1,4 @@
-"""Compute threads below everything else on the machine: a token is not held up behind a GEMM.
+"""Compute threads below the threads that carry tokens: a token is not held up behind a GEMM.
 
 A stage's compute thread and its OpenMP team use every core they are given, without a pause,
 while a request decodes. Everything that carries a token to its user (the stage's event loop and
