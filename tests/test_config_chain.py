@@ -29,8 +29,9 @@ ENGINE_ENV: tuple[str, ...] = (
     environment.PIN_STAGES_ENV,
     environment.CPU_KERNELS_ENV,
     environment.COMPUTE_NICE_ENV,
+    environment.DECODE_AHEAD_ENV,
+    FAULTS_ENV,
 )
-ENGINE_ENV += (environment.DECODE_AHEAD_ENV, FAULTS_ENV)
 # Where the PPSERVE_* variables may be read (engine/environment.py says why each is where it is).
 ENV_READERS = {"engine/environment.py", "engine/model/cache_dir.py", "engine/disagg/faults.py"}
 ENV_READERS |= {"transport/cluster_key.py", "server/cli_clients.py"}

@@ -59,11 +59,7 @@ def test_the_nice_value_is_checked(llama_dir: Path, monkeypatch: pytest.MonkeyPa
 
 def stage_threads(pid: int) -> dict[int, int]:
     """Thread id -> nice value, for every thread of process `pid`."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[int(tid)] = int(fields[16])
-    return out
+    return {int(tid): nice_of(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 @linux_only
