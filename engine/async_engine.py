@@ -22,7 +22,8 @@ import atexit
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections import Counter
+from collections.abc import AsyncGenerator, Hashable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -31,7 +32,7 @@ import zmq
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.decode import DecodeRooms
 from ppserve.engine.disagg.prefill import PrefillRooms
-from ppserve.engine.model.grammar import CHECK_TIMEOUT_S, Grammars
+from ppserve.engine.model.grammar_check import GrammarChecker
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.runtime.core import EngineCore, Outputs
@@ -51,6 +52,10 @@ log = logging.getLogger("ppserve.engine")
 class EngineDeadError(RuntimeError):
     """The engine cannot serve: a stage failed past the restart budget, a host task failed, or
     the engine was closed."""
+
+
+class ClientLimitError(RuntimeError):
+    """The client holds as many running and waiting requests as it may (`max_requests_per_client`)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -110,7 +115,9 @@ class AsyncEngine:
         self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
-        self._grammars: asyncio.Future[Grammars] | None = None  # checks SamplingParams.grammar (made at first use)
+        self._per_client: Counter[Hashable] = Counter()  # requests each client holds (`generate`)
+        # Checks SamplingParams.grammar in a worker process (started at the first grammar).
+        self.grammars = GrammarChecker(config.model, config.model_config.vocab_size)
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -163,6 +170,7 @@ class AsyncEngine:
         self._fail_streams(self.error)
         if self.rooms is not None:
             self.rooms.close()
+        await self.grammars.close()
         if self._pool is not None:
             await self._pool.close()
             atexit.unregister(self._pool.kill_now)
@@ -215,6 +223,7 @@ class AsyncEngine:
         prefill: str | None = None,
         hold_kv: bool = False,
         cache_salt: str | None = None,
+        client: Hashable | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
         engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full.
@@ -225,24 +234,30 @@ class AsyncEngine:
         transfer (the prefill engine's own use).
 
         `cache_salt` (1 to 256 characters): only requests with the same salt, or none, share
-        cached prompt prefixes (a tenant's own); it changes no output."""
+        cached prompt prefixes (a tenant's own); it changes no output.
+
+        `client`: who sent it (an API key's tenant, a connection), which may hold at most
+        `max_requests_per_client` requests at once (ClientLimitError past it). None: not counted."""
         params = params or SamplingParams()
-        if params.grammar:
-            await self.check_grammar(params.grammar)
+        grammar_cost = await self.check_grammar(params.grammar) if params.grammar else 0
         if isinstance(prompt, str):
             ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
         else:
             ids = list(prompt)
         self._check_admission()
+        self._check_client(client)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         request = self._request(rid, ids, params, cache_salt)
         request.hold_kv = hold_kv
+        request.grammar_cost = grammar_cost
         stream = _Stream(request, self.tokenizer.detokenizer(ids))
         if prefill is None:
             self.scheduler.add(request)
         self._streams[rid] = stream
+        if client is not None:
+            self._per_client[client] += 1
         self.wake()
         try:
             if prefill is not None:
@@ -257,6 +272,10 @@ class AsyncEngine:
         finally:
             # Closed early or cancelled: end the request and give its KV blocks back.
             self._streams.pop(rid, None)
+            if client is not None:
+                self._per_client[client] -= 1
+                if not self._per_client[client]:
+                    del self._per_client[client]
             if not request.finished:
                 self.abort(rid)
 
@@ -270,20 +289,14 @@ class AsyncEngine:
         self._progress.set()
         self.wake()
 
-    async def check_grammar(self, grammar: str) -> None:
-        """ValueError with llguidance's reason unless `grammar` (SamplingParams.grammar) compiles
-        for this model's tokenizer; compiled once (then cached), off the event loop, and bounded
-        in time."""
-        if self._grammars is None:  # one for every request that waits for it
-            vocab = self.config.model_config.vocab_size
-            self._grammars = asyncio.ensure_future(asyncio.to_thread(Grammars, self.tokenizer.hf, vocab))
-        grammars = await asyncio.shield(self._grammars)
-        if grammars.cached(grammar):
-            return
+    async def check_grammar(self, grammar: str) -> int:
+        """The bytes `grammar` (SamplingParams.grammar) costs a last stage to keep compiled;
+        ValueError naming llguidance's reason or the budget it is over, unless it compiles for this
+        model's tokenizer. Compiled in a worker process, under a budget (engine/model/grammar_check.py)."""
         try:
-            await asyncio.wait_for(asyncio.to_thread(grammars.check, grammar), CHECK_TIMEOUT_S)
-        except TimeoutError:
-            raise ValueError(f"the grammar took longer than {CHECK_TIMEOUT_S:g} s to compile") from None
+            return await self.grammars.check(grammar)
+        except RuntimeError as e:  # the worker cannot start: no grammar can be checked
+            raise ValueError(f"grammars cannot be checked now: {e}") from None
 
     @property
     def pool(self) -> StagePool:
@@ -301,13 +314,24 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         pending: int = 0,
         cache_salt: str | None = None,
+        client: Hashable | None = None,
     ) -> None:
         """Raise what `generate` would raise for this request, without starting it: ValueError
-        (naming the problem) for a prompt that cannot be served, EngineDeadError or
-        EngineOverloadedError when the engine cannot take it now (`pending`: requests the caller
-        has checked but not started yet, e.g. the other choices of one HTTP request)."""
+        (naming the problem) for a prompt that cannot be served, EngineDeadError,
+        EngineOverloadedError or ClientLimitError when the engine cannot take it now (`pending`:
+        requests the caller has checked but not started yet, e.g. the other choices of one HTTP
+        request)."""
         self._request("check", list(token_ids), params or SamplingParams(), cache_salt)
         self._check_admission(pending)
+        self._check_client(client, pending)
+
+    def _check_client(self, client: Hashable | None, pending: int = 0) -> None:
+        limit = self.config.max_requests_per_client
+        if client is not None and (held := self._per_client[client]) + pending >= limit:
+            raise ClientLimitError(
+                f"this client has {held + pending} requests running or waiting, the most one client may "
+                f"(max_requests_per_client {limit})"
+            )
 
     def _check_admission(self, pending: int = 0) -> None:
         if not self.healthy:
@@ -373,6 +397,13 @@ class AsyncEngine:
 
     def _emit(self, stream: _Stream, sample: Sampled) -> None:
         r, params = stream.request, stream.request.params
+        if sample.error:  # no token came: the request ended with this error
+            log.warning("request %s failed: %s", r.request_id, sample.error)
+            stream.text += stream.detok.flush()
+            text, stream.emitted = stream.text[stream.emitted :], len(stream.text)
+            samples, stream.pending = stream.pending, []
+            stream.queue.put_nowait(self._output(stream, text, [s.token_id for s in samples], samples))
+            return
         stream.text += stream.detok.push([sample.token_id])
         if r.finished:
             stream.text += stream.detok.flush()
@@ -418,6 +449,7 @@ class AsyncEngine:
             cached_tokens=r.num_cached_tokens or 0,
             logprobs=logprobs,
             prompt_logprobs=prompt,
+            error=r.error,
         )
 
     # ---- failures -------------------------------------------------------------------------

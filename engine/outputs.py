@@ -21,7 +21,7 @@ class RequestOutput:
     text: str  # new text since the previous output
     token_ids: list[int]  # new token ids since the previous output
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int = 0  # of prompt_tokens, how many were found in the prefix cache (not computed)
@@ -30,6 +30,7 @@ class RequestOutput:
     # output only: None for position 0 (nothing predicts it), else the prompt token's logprob and
     # the top N at that position.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str = ""  # why, when finish_reason is "error" (the output's grammar stopped)
 
 
 def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None] | None:

@@ -21,6 +21,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop token (stop strings are matched on text, by the engine)
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"
+    ERROR = "error"  # the request could not go on (its grammar stopped): Request.error says why
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Request:
     num_computed_tokens: int = 0  # in the KV cache on every stage
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    error: str = ""  # why it ended, when finish_reason is ERROR
     # Pipeline bookkeeping (scheduler only): tokens computed or in flight, plans in flight that
     # carry this request, how many of them sample (two while a decode step runs ahead of its
     # token: scheduler.py), whether the last stage knows it, and how many of block_table's first
@@ -49,6 +51,8 @@ class Request:
     # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its
     # transfer is done (`Scheduler.release_held`).
     hold_kv: bool = False
+    # Bytes the last stage's compiled grammar costs (engine/model/grammar_check.py), for its cache.
+    grammar_cost: int = 0
     # Prefix caching: the hash of each full block of tokens so far (block_allocator.block_hash),
     # computed once; and how many prompt tokens its first admission found cached (None before).
     block_hashes: list[bytes] = field(default_factory=list)

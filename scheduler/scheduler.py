@@ -371,7 +371,7 @@ class Scheduler:
             if not r.announced:
                 r.announced = True
                 prompt = list(r.prompt_token_ids) if r.params.repetition_penalty != 1 else []
-                new.append(NewRequest(r.request_id, r.params.wire(), list(r.output_token_ids), prompt))
+                new.append(NewRequest(r.request_id, r.params.wire(), list(r.output_token_ids), prompt, r.grammar_cost))
         mb_id = self._next_mb
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
@@ -406,7 +406,10 @@ class Scheduler:
             if req is None or req.finished:
                 continue  # aborted while in flight (or it ended before a step planned ahead): dropped
             req.samples_in_flight -= 1
-            if req.append_token(s.token_id) is not None:
+            if s.error:  # no token: the request ends with the last stage's error
+                req.finish_reason, req.error = FinishReason.ERROR, s.error
+                self._finish(req)
+            elif req.append_token(s.token_id) is not None:
                 self._finish(req)
             elif req.samples_in_flight:
                 self.cache.filled_ahead(req)

@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
     )
     serve.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=0,
+        help="running and waiting requests one client (an API key, or a connection without one) may hold; "
+        "past it, HTTP 429 (default 0: half of --max-running-requests)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,

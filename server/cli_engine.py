@@ -31,6 +31,7 @@ ENGINE_FLAGS = {
     "max_stage_restarts": "max_stage_restarts",
     "synthetic_latency": "synthetic_latency",
     "max_waiting_requests": "max_waiting_requests",  # serve only
+    "max_requests_per_client": "max_requests_per_client",  # serve only
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ppserve.engine.async_engine import EngineDeadError, EngineOverloadedError
+from ppserve.engine.async_engine import ClientLimitError, EngineDeadError, EngineOverloadedError
 from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.runtime.stage_pool import StageError
@@ -67,6 +67,7 @@ async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestO
             async with aclosing(streams[0]) as stream:
                 async for out in stream:
                     yield 0, out
+                    _check_failed(out)
         except Exception as e:
             raise as_api_error(e) from None
         return
@@ -92,10 +93,18 @@ async def merge(streams: Sequence[Stream]) -> AsyncGenerator[tuple[int, RequestO
                 raise as_api_error(item)
             else:
                 yield i, item
+                _check_failed(item)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _check_failed(out: RequestOutput) -> None:
+    """A request that ended with finish_reason "error" (its grammar stopped) fails the response:
+    a 400 naming the reason, or in a stream, after the chunk that says "error", an error event."""
+    if out.finish_reason == "error":
+        raise ApiError(400, f"the output could not be completed: {out.error}")
 
 
 def as_api_error(e: BaseException) -> BaseException:
@@ -103,6 +112,8 @@ def as_api_error(e: BaseException) -> BaseException:
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, (EngineDeadError, StageError)):
         return ApiError(503, f"the engine cannot serve: {e}", headers=retry)
+    if isinstance(e, ClientLimitError):
+        return ApiError(429, f"too many requests: {e}", headers=retry)
     if isinstance(e, EngineOverloadedError):
         return ApiError(503, f"the server is busy: {e}", headers=retry)
     if isinstance(e, DisaggregationError):  # a room failed: its message names the side, stage and state

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 9: SeqChunk.follows
+PROTOCOL_VERSION = 10  # 10: NewRequest.grammar_cost, Sampled.error
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -81,6 +81,9 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     # prompt's tokens too, and the last stage sees only the chunks it computes: not a cached
     # prefix, nor KV imported from a prefill server). Empty otherwise: plans stay small.
     prompt_token_ids: list[int] = []
+    # Bytes the request's compiled grammar costs, as the host's grammar worker measured them: the
+    # last stage's cache of compiled grammars is bounded by their sum (0: no grammar, or unknown).
+    grammar_cost: int = 0
 
 
 class PromptTargets(msgspec.Struct, frozen=True, array_like=True):
@@ -121,6 +124,9 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = []
+    # Non-empty: no token could be sampled, because the request's grammar stopped (a limit of the
+    # grammar engine, or a dead end); the request ends with this error, `token_id` means nothing.
+    error: str = ""
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

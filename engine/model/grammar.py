@@ -12,14 +12,17 @@ Earley parser over a token trie, no precomputed tables), and grammars compile in
 millisecond, so compiling is never the long pole (docs/structured-outputs.md has the figures).
 
 Compiled grammars are cached by their text: a matcher for a new request is a copy of the cached
-one (microseconds). Everything here is bounded: the text's length (MAX_GRAMMAR_CHARS), the parser's
-work per grammar and per token (llguidance's limits), the cache's size, and the host's wait for a
-check (CHECK_TIMEOUT_S).
+one (microseconds). Everything here is bounded: the text's length (MAX_SPEC_CHARS), its rules and
+nesting (`precheck`, before anything compiles), the parser's work per grammar and per token
+(llguidance's limits), and the cache's bytes (CACHE_BYTES). A grammar reaches a last stage only
+after the host's grammar worker (engine/model/grammar_check.py) compiled it in a process of its
+own, under a budget of CPU time, memory and stack, and measured what it costs to keep.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -33,8 +36,12 @@ if TYPE_CHECKING:
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar as the client sends it
 MAX_CHOICES = 1024
-CACHE_SIZE = 256  # compiled grammars kept (each is a few kB to a few MB for large schemas)
-CHECK_TIMEOUT_S = 10.0  # the host's wait for one check; llguidance's own fuel limits bound the work
+MAX_RULES = 500  # rules of an EBNF/Lark grammar: the compiler recurses along chains of rules
+MAX_NESTING = 100  # brackets inside brackets, in a regex or a grammar
+CACHE_BYTES = 512 << 20  # compiled grammars kept on a last stage, by what each cost to compile
+# A compiled grammar whose cost is not known (checked in this process, not by the grammar worker)
+# counts as this much against CACHE_BYTES.
+UNKNOWN_COST = 4 << 20
 KINDS = ("json_object", "json", "regex", "choice", "grammar")
 
 # JSON without free whitespace: a small model that may put spaces and newlines anywhere can fill
@@ -83,6 +90,7 @@ def build_grammar(kind: str, spec: Any) -> str:
         if not isinstance(spec, str) or not spec:
             raise ValueError("a regex must be a non-empty string")
         _check_size(spec, "regex")
+        _check_nesting(spec, "regex")
         return llg.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
@@ -95,6 +103,10 @@ def build_grammar(kind: str, spec: Any) -> str:
         if not isinstance(spec, str) or not spec.strip():
             raise ValueError("a grammar must be a non-empty string")
         _check_size(spec, "grammar")
+        _check_nesting(spec, "grammar")
+        rules = len(_RULE.findall(spec))
+        if rules > MAX_RULES:
+            raise ValueError(f"the grammar has {rules} rules, more than {MAX_RULES}")
         try:
             return llg.grammar_from("grammar", spec)
         except ValueError as e:
@@ -107,12 +119,30 @@ def _check_size(text: str, what: str) -> None:
         raise ValueError(f"the {what} is {len(text)} characters long, more than {MAX_SPEC_CHARS}")
 
 
+# A rule's definition starts a line: Lark's `name:` (with ?/! prefixes and a .priority) or GBNF's `name ::=`.
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.MULTILINE)
+
+
+def _check_nesting(text: str, what: str) -> None:
+    """ValueError if brackets nest deeper than MAX_NESTING. Counted over the whole text (quoted
+    brackets and escapes included): an over-count only refuses a grammar no one writes by hand."""
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_NESTING:
+        raise ValueError(f"the {what} nests brackets {deepest} deep, more than {MAX_NESTING}")
+
+
 class Grammars:
     """llguidance over one model's tokenizer: checks grammars and hands out matchers, compiling
-    each grammar once (an LRU cache keyed by its text). Thread-safe: the host checks in worker
-    threads, a last stage compiles on its grammar thread."""
+    each grammar once (an LRU cache keyed by its text, bounded in bytes). Thread-safe: a last
+    stage compiles on its grammar thread, and the grammar worker in its own process."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = CACHE_BYTES) -> None:
         """`tokenizer`: a transformers fast tokenizer; `vocab_size`: the model's logits width
         (the masks' width), which may exceed the tokenizer's."""
         from llguidance.hf import from_tokenizer
@@ -122,34 +152,42 @@ class Grammars:
         self.eos_token_id = self.tokenizer.eos_token
         self._limits = llg.LLParserLimits(**_LIMITS)
         self.words = (vocab_size + 31) // 32  # int32 words of one token bitmask
-        # grammar text -> (matcher at its start, its first token bitmask [words] int32)
-        self._compiled: OrderedDict[str, tuple[llg.LLMatcher, torch.Tensor]] = OrderedDict()
-        self._cache_size = cache_size
+        # grammar text -> (matcher at its start, its first token bitmask [words] int32, bytes it costs)
+        self._compiled: OrderedDict[str, tuple[llg.LLMatcher, torch.Tensor, int]] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (not found in the cache) since start
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, vocab_size: int) -> Grammars:
+    def for_model(cls, model_dir: str | Path, vocab_size: int, cache_bytes: int = CACHE_BYTES) -> Grammars:
         from ppserve.engine.model.tokenizer import Tokenizer
 
-        return cls(Tokenizer(model_dir).hf, vocab_size)
+        return cls(Tokenizer(model_dir).hf, vocab_size, cache_bytes)
 
     def cached(self, grammar: str) -> bool:
         """Whether `grammar` is compiled already (so valid)."""
         return grammar in self._compiled
 
-    def check(self, grammar: str) -> None:
-        """ValueError with llguidance's reason unless `grammar` compiles for this tokenizer."""
-        self.matcher(grammar)
+    def check(self, grammar: str, cost: int = UNKNOWN_COST) -> None:
+        """ValueError with llguidance's reason unless `grammar` compiles for this tokenizer and its
+        first mask can be computed, twice: some limits are met only there, and the lexer that the
+        copies of one compiled grammar share may reach them only at a second request's mask (as
+        `a{1000000}`'s does)."""
+        second = self._compile(grammar, cost)[0].deep_copy()
+        self.masks([second])
+        if second.is_error():
+            raise ValueError(first_line(second.get_error()))
 
-    def matcher(self, grammar: str) -> llg.LLMatcher:
-        """A fresh matcher at the grammar's start (ValueError if the grammar is invalid)."""
-        return self._compile(grammar)[0].deep_copy()
+    def matcher(self, grammar: str, cost: int = UNKNOWN_COST) -> llg.LLMatcher:
+        """A fresh matcher at the grammar's start (ValueError if the grammar is invalid). `cost`:
+        the bytes its compiled form takes, as the grammar worker measured them."""
+        return self._compile(grammar, cost)[0].deep_copy()
 
-    def first_mask(self, grammar: str) -> torch.Tensor:
+    def first_mask(self, grammar: str, cost: int = UNKNOWN_COST) -> torch.Tensor:
         """The bitmask [words] int32 of the tokens a grammar allows first: the same for every
         request with this grammar, so computed once (it is also the costliest mask to compute)."""
-        return self._compile(grammar)[1]
+        return self._compile(grammar, cost)[1]
 
     def masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
         """Each matcher's next-token bitmask: [len(matchers), words] int32, bit t of row i set
@@ -159,7 +197,7 @@ class Grammars:
             m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
         return out
 
-    def _compile(self, grammar: str) -> tuple[llg.LLMatcher, torch.Tensor]:
+    def _compile(self, grammar: str, cost: int) -> tuple[llg.LLMatcher, torch.Tensor, int]:
         with self._lock:
             compiled = self._compiled.get(grammar)
             if compiled is not None:
@@ -172,11 +210,24 @@ class Grammars:
         except (ValueError, TypeError) as e:  # not llguidance's grammar format at all
             raise ValueError(f"invalid grammar: {e}") from None
         if template.is_error():
-            raise ValueError(template.get_error())
-        compiled = (template, self.masks([template.deep_copy()])[0])
+            raise ValueError(first_line(template.get_error()))
+        first = template.deep_copy()
+        mask = self.masks([first])[0]
+        if first.is_error():  # a limit met building the lexer (too many states or expressions)
+            raise ValueError(first_line(first.get_error()))
+        compiled = (template, mask, max(cost, 1))
         with self._lock:
             self.compiles += 1
+            if (old := self._compiled.pop(grammar, None)) is not None:
+                self.cached_bytes -= old[2]
             self._compiled[grammar] = compiled
-            while len(self._compiled) > self._cache_size:
-                self._compiled.popitem(last=False)
+            self.cached_bytes += compiled[2]
+            # The newest entry stays even when it alone is over the bound: it is in use.
+            while self.cached_bytes > self._cache_bytes and len(self._compiled) > 1:
+                self.cached_bytes -= self._compiled.popitem(last=False)[1][2]
         return compiled
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser's state dump that follows its first line."""
+    return error.strip().split("\n", 1)[0][:500]

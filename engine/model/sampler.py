@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model.grammar import UNKNOWN_COST, first_line
 from ppserve.engine.model.grammar_thread import start_grammar_thread, wait_for
 from ppserve.engine.model.sampling_ops import SamplerParams, candidates, inverse_transform, unpack_mask
 from ppserve.scheduler.sampling_params import GREEDY_BELOW
@@ -52,6 +53,7 @@ class Sample:
     token_id: int
     logprob: float | None = None  # of the chosen token, when logprobs were asked for
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    error: str = ""  # non-empty: the request's grammar stopped, and `token_id` means nothing
 
 
 class _RequestState:
@@ -75,8 +77,11 @@ class _RequestState:
                 torch.tensor([b for _, b in kept], dtype=torch.float32, device=device),
             )
         self.matcher = matcher  # at the grammar's start: consumes the tokens generated before
+        # Why the grammar stopped (its engine hit a limit, or a dead end): the request ends with
+        # this error at its next sample, rather than with text that breaks the constraint.
+        self.error = ""
         if matcher is not None and output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
-            log.warning("a re-announced request's tokens do not fit its grammar: %s", matcher.get_error())
+            self.error = f"the output no longer fits its grammar: {first_line(matcher.get_error())}"
         self.counts = None  # counts: [vocab] float32, of generated tokens
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -165,8 +170,8 @@ class Sampler:
                 self._thread = start_grammar_thread()
         return self._thread
 
-    def _first_mask(self, grammar: str) -> torch.Tensor:
-        return self.grammars.first_mask(grammar)
+    def _first_mask(self, grammar: str, cost: int) -> torch.Tensor:
+        return self.grammars.first_mask(grammar, cost)
 
     def _masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         return self.grammars.masks(matchers)
@@ -176,19 +181,19 @@ class Sampler:
         ready when its logits are (call it as the plan arrives, before its forward). It never
         waits: everything, even making the Grammars, happens on that thread. Rows whose mask is
         not started here are masked when sampled."""
-        starts: dict[str, str] = {n.request_id: n.params.grammar for n in plan.new_requests if n.params.grammar}
+        starts = {n.request_id: (n.params.grammar, n.grammar_cost) for n in plan.new_requests if n.params.grammar}
         if not starts and self._thread is None:
             return  # no request has had a grammar yet: nothing to look up
         thread = self._grammar_thread()
         rows: list[tuple[str, _RequestState]] = []
         for rid in (c.request_id for c in plan.chunks if c.sample):
             if rid in starts:  # announced in this plan: its first mask is its grammar's, cached
-                grammar = starts[rid]
-                self._prepared[rid] = (grammar, 0, thread.submit(self._first_mask, grammar), -1)
+                grammar, cost = starts[rid]
+                self._prepared[rid] = (grammar, 0, thread.submit(self._first_mask, grammar, cost), -1)
             elif (state := self._requests.get(rid)) is not None and state.matcher is not None:
                 rows.append((rid, state))
-        for grammar in set(starts.values()):  # compile early, whether or not this plan samples it
-            thread.submit(self._first_mask, grammar)
+        for grammar, cost in set(starts.values()):  # compile early, whether or not this plan samples it
+            thread.submit(self._first_mask, grammar, cost)
         if rows:
             future = thread.submit(self._masks, [state.matcher for _, state in rows])  # type: ignore[misc]
             for i, (rid, state) in enumerate(rows):
@@ -212,16 +217,21 @@ class Sampler:
         params: SamplerParams,
         output_token_ids: Sequence[int] = (),
         prompt_token_ids: Sequence[int] = (),
+        grammar_cost: int = 0,
     ) -> None:
         """`output_token_ids`: tokens the request generated before (when it is re-announced);
-        `prompt_token_ids`: its prompt, needed only with a repetition penalty."""
-        matcher = None
+        `prompt_token_ids`: its prompt, needed only with a repetition penalty; `grammar_cost`:
+        the bytes its compiled grammar takes (0: not known)."""
+        matcher, error = None, ""
         if params.grammar:
-            matcher = self.grammars.matcher(params.grammar)
+            try:
+                matcher = self.grammars.matcher(params.grammar, grammar_cost or UNKNOWN_COST)
+            except ValueError as e:  # the host checked it; a limit met only here ends the request
+                error = f"the grammar could not be compiled: {e}"
             self._grammar_thread()  # from now on, `prepare` starts this request's masks
-        self._requests[request_id] = _RequestState(
-            params, self.vocab_size, self.device, output_token_ids, prompt_token_ids, matcher
-        )
+        state = _RequestState(params, self.vocab_size, self.device, output_token_ids, prompt_token_ids, matcher)
+        state.error = state.error or error
+        self._requests[request_id] = state
 
     def clear(self) -> None:
         """Forget every request (the pipeline was reset; they are announced again)."""
@@ -262,8 +272,11 @@ class Sampler:
         for i, (state, token) in enumerate(zip(states, chosen, strict=True)):
             state.step += 1
             state.last_token = token
+            if state.error:
+                out.append(Sample(token, error=state.error))
+                continue
             if state.matcher is not None and not state.matcher.consume_token(token):
-                log.warning("sampled token %d breaks its grammar: %s", token, state.matcher.get_error())
+                state.error = f"the output no longer fits its grammar: {first_line(state.matcher.get_error())}"
             if state.counts is not None:
                 state.counts[token] += 1
             if state.seen is not None:
@@ -325,8 +338,15 @@ class Sampler:
             logits[i].index_add_(0, ids, values)
         if constrained:
             masks = self._step_masks(request_ids, states, constrained)  # [rows, words]
-            # A grammar in an error state allows nothing: end the output rather than sample noise.
+            # A grammar in an error state allows nothing (its engine hit a limit, or a dead end):
+            # the request ends with that error. Its row samples EOS, a token that is then dropped.
             empty = (masks == 0).all(dim=1)
+            for j, i in enumerate(constrained):
+                matcher = states[i].matcher
+                assert matcher is not None
+                if matcher.is_error() or bool(empty[j]):
+                    reason = first_line(matcher.get_error()) or "no token may come next"
+                    states[i].error = states[i].error or f"the grammar stopped: {reason}"
             if empty.any():
                 eos = self.grammars.eos_token_id
                 masks[empty, eos // 32] = 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)

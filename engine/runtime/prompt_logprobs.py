@@ -47,11 +47,11 @@ def last_stage_outputs(
     for rid in plan.released:
         sampler.remove_request(rid)
     for new in plan.new_requests:
-        sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids)
+        sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids, new.grammar_cost)
     ids = [c.request_id for c in plan.chunks if c.sample]
     sampled = logits[: len(ids)] if plan.prompt_targets else logits
     samples = [
-        Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs))
+        Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs), s.error)
         for rid, s in zip(ids, sampler.sample(ids, sampled), strict=True)
     ]
     if not plan.prompt_targets:

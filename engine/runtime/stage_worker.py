@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ import torch
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.stage_kv import StageKv
+from ppserve.engine.model.grammar_check import STAGE_STACK_BYTES
 from ppserve.engine.runtime.cpu_affinity import pin_stage
 from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
@@ -113,6 +115,9 @@ def run_stage(launch: StageLaunch) -> int:
     """The stage, in this process's main thread, until it stops; its exit status."""
     set_process_name(f"ppserve-stage-{launch.stage}")
     keep_freed_memory()
+    # The threads started from here on (compute, grammar) have stacks deep enough for any grammar
+    # the host's grammar worker passed (engine/model/grammar_check.py): address space, not memory.
+    threading.stack_size(STAGE_STACK_BYTES)
     pin_stage(launch.config, launch.stage, launch.threads)  # before torch starts its OpenMP team
     torch.set_num_threads(launch.threads)
     if launch.config.stage_gpus:  # before anything touches CUDA: this stage's GPU is "cuda" here
