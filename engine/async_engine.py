@@ -171,6 +171,7 @@ class AsyncEngine:
         if self.rooms is not None:
             self.rooms.close()
         await self.grammars.close()
+        self.tokenizer.close()  # a chat template still rendering ends now, with an error
         if self._pool is not None:
             await self._pool.close()
             atexit.unregister(self._pool.kill_now)

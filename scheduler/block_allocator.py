@@ -60,6 +60,7 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # content of a registered block
         self._by_hash: dict[bytes, int] = {}  # registered blocks, used or cached
+        self._salt: list[str | None] = [None] * num_blocks  # the cache salt of a registered block's request
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_evictions = 0
 
@@ -152,24 +153,33 @@ class BlockAllocator:
                 del self._lru[b]
             self._refs[b] += 1
 
-    def register(self, block: int, h: bytes) -> None:
-        """`block` (used, full) holds the contents `h`, findable by later requests. If another
-        block holds them already (two requests computed the same prefix at once), that one stays
-        the cached copy and this one is freed as usual when its request ends."""
+    def register(self, block: int, h: bytes, salt: str | None = None) -> None:
+        """`block` (used, full) holds the contents `h`, findable by later requests; `salt`: its
+        request's cache salt (for `flush`). If another block holds them already (two requests
+        computed the same prefix at once), that one stays the cached copy and this one is freed
+        as usual when its request ends."""
         if not self.enable_caching or h in self._by_hash or self._hash[block] is not None:
             return
         self._hash[block] = h
         self._by_hash[h] = block
+        self._salt[block] = salt
 
-    def flush(self) -> int:
-        """Forget every cached prefix: cached blocks become free, and blocks in use are no longer
-        found by later requests. Returns how many blocks were cached."""
-        dropped = len(self._lru)
-        self._free.extend(self._lru)
-        self._lru.clear()
-        for block in self._by_hash.values():
-            self._hash[block] = None
-        self._by_hash.clear()
+    def flush(self, salt_prefix: str | None = None) -> int:
+        """Forget cached prefixes: cached blocks become free, and blocks in use are no longer
+        found by later requests. Every prefix, or (`salt_prefix`) only those of requests whose
+        cache salt starts with it (a tenant's). Returns how many cached blocks became free."""
+        chosen = [
+            b
+            for b in self._by_hash.values()
+            if salt_prefix is None or ((s := self._salt[b]) is not None and s.startswith(salt_prefix))
+        ]
+        dropped = 0
+        for block in chosen:
+            self._unregister(block)
+            if block in self._lru:
+                del self._lru[block]
+                self._free.append(block)
+                dropped += 1
         return dropped
 
     def _unregister(self, block: int) -> None:
@@ -177,3 +187,4 @@ class BlockAllocator:
         if h is not None:
             del self._by_hash[h]
             self._hash[block] = None
+            self._salt[block] = None

@@ -83,7 +83,7 @@ class PrefixCache:
         end = min(r.num_scheduled_tokens + n, r.num_tokens) // self.block_size
         self._hash_blocks(r, end)
         for i in range(first, end):
-            self.allocator.register(r.block_table[i], r.block_hashes[i])
+            self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
 
     def filled_ahead(self, r: Request) -> None:
         """r's newest token is in a block a plan in flight (planned ahead) fills: if that token
@@ -92,7 +92,7 @@ class PrefixCache:
         if self.enabled and r.num_tokens % bs == 0 and r.num_scheduled_tokens >= r.num_tokens:
             i = r.num_tokens // bs - 1
             self._hash_blocks(r, i + 1)
-            self.allocator.register(r.block_table[i], r.block_hashes[i])
+            self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
 
     def _hash_blocks(self, r: Request, num_blocks: int) -> None:
         """Extend r.block_hashes to its first `num_blocks` full blocks."""

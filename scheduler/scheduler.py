@@ -323,10 +323,11 @@ class Scheduler:
         r.num_computed_tokens = r.num_scheduled_tokens = cached
         self.cache.admitted(r, cached)
 
-    def flush_cache(self) -> int:
-        """Forget every cached prefix (requests running keep their blocks); returns how many
-        unused cached blocks became free."""
-        return self.allocator.flush()
+    def flush_cache(self, salt_prefix: str | None = None) -> int:
+        """Forget every cached prefix, or those of requests whose cache salt starts with
+        `salt_prefix` (a tenant's); requests running keep their blocks. Returns how many unused
+        cached blocks became free."""
+        return self.allocator.flush(salt_prefix)
 
     def _reserve(self, r: Request, n: int) -> bool:
         """Make sure r's blocks cover n more tokens, preempting others if needed."""

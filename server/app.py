@@ -13,17 +13,24 @@ stream, with metrics) is `ServerState.submit`.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
 from aiohttp import web
 
-from ppserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStats
+from ppserve.engine.async_engine import (
+    AsyncEngine,
+    ClientLimitError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStats,
+)
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.outputs import RequestOutput
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -54,6 +61,7 @@ class ServerOptions:
     # Who shares cached prompt prefixes: requests of one API key ("api-key"), or everyone ("shared");
     # a request's `cache_salt` separates further either way.
     prefix_cache_scope: PrefixCacheScope = "api-key"
+    admin_key: str | None = None  # for /flush_cache of every tenant's cached prefixes
     max_body_bytes: int = 16 * 2**20
     shutdown_timeout_s: float = 10.0  # on shutdown, requests in flight may finish for this long
     # The address the server listens on: bound to loopback, it answers only loopback Host names
@@ -185,20 +193,22 @@ class ServerState:
         request_id: str,
         pending: int = 0,
         cache_salt: str | None = None,
+        client: Hashable | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check the request now (so errors come before any response is sent), then stream it.
         `pending`: streams of the same HTTP request submitted before this one (not queued yet).
-        `cache_salt`: the engine's (`cache_salt` above), not the client's."""
+        `cache_salt`: the engine's (`cache_salt` above), not the client's. `client`: `client_of`
+        the HTTP request, whose share of the queue it counts against."""
         engine = self.ready
         try:
-            engine.check_request(prompt_ids, params, pending, cache_salt)
+            engine.check_request(prompt_ids, params, pending, cache_salt, client)
         except ValueError as e:  # the prompt cannot be served (length, token ids)
             message = str(e) if "prompt" in str(e) else f"invalid prompt: {e}"
             raise ApiError(400, message, "prompt") from None
-        except (EngineOverloadedError, EngineDeadError) as e:
+        except (EngineOverloadedError, EngineDeadError, ClientLimitError) as e:
             raise as_api_error(e) from None
         prefill = PREFILL_AT.get()
-        stream = engine.generate(prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt)
+        stream = engine.generate(prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt, client=client)
         return self.metrics.track(stream)
 
     async def check_grammar(self, params: SamplingParams, field_name: str = "structured_outputs") -> None:
@@ -225,13 +235,31 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+
 # The tenant whose key a request carried (set by the auth middleware on every keyed path).
 TENANT = web.RequestKey("tenant", Tenant)
+ADMIN = web.RequestKey("admin", bool)  # whether the request carried the admin key (on ADMIN_PATHS)
+ADMIN_PATHS = frozenset({"/flush_cache"})
 # Disaggregation: a router names the prefill server of a request sent to a decode server here.
 PREFILL_HEADER = "X-PPServe-Prefill"
 PREFILL_PROOF_HEADER = "X-PPServe-Prefill-Proof"  # transport/cluster_key.py's route_proof
 PREFILL_AT: ContextVar[str | None] = ContextVar("prefill_at", default=None)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def client_of(request: web.Request) -> Hashable:
+    """Who an HTTP request comes from, for its share of the queue (`client_key`)."""
+    return client_key(request.app[STATE].options, request.get(TENANT), request.transport)
+
+
+def client_key(options: ServerOptions, tenant: Tenant | None, connection: object) -> Hashable:
+    """Who a request comes from, for its share of the queue (`max_requests_per_client`): the
+    tenant of its API key on a server with several keys, else its connection (a websocket, or an
+    HTTP connection for the requests it carries). One key is often shared by every user of a
+    deployment behind a gateway: it names no one client."""
+    if tenant is not None and tenant.tag and len(options.keys) > 1:
+        return tenant.tag
+    return ("connection", id(connection))
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
@@ -324,7 +352,11 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     open_path = request.path in OPEN_PATHS or (request.path == "/metrics" and state.options.metrics_public)
-    if not (open_path or _browser_websocket(request)):
+    admin = state.options.admin_key
+    if request.path in ADMIN_PATHS and admin is not None:
+        given = bearer_token(request.headers.get("Authorization", ""))
+        request[ADMIN] = hmac.compare_digest(given, admin.encode("utf-8", "surrogatepass"))
+    if not (open_path or request.get(ADMIN) or _browser_websocket(request)):
         tenant = state.tenants.match(bearer_token(request.headers.get("Authorization", "")))
         if tenant is None:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
@@ -397,12 +429,21 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """Admin: forget every cached prompt prefix (requests running keep their KV). It slows
-    everyone's next requests, so it needs the API key: a server without one refuses it."""
+    """Forget cached prompt prefixes (requests running keep their KV): every tenant's with the
+    admin key (`--admin-key`), a tenant's own with its API key. Emptying others' caches slows their
+    next requests, so nothing else may."""
     state = request.app[STATE]
-    if not state.tenants.keyed:
-        raise ApiError(403, "/flush_cache is an admin endpoint: start the server with --api-key to use it")
-    return web.json_response({"freed_blocks": state.ready.scheduler.flush_cache()})
+    if request.get(ADMIN):
+        return web.json_response({"freed_blocks": state.ready.scheduler.flush_cache(), "scope": "all"})
+    tenant = request.get(TENANT)
+    if tenant is None or not tenant.tag or state.tenants.scope == "shared":
+        raise ApiError(
+            403,
+            "/flush_cache empties every client's cached prefixes only with the admin key (start the server with "
+            "--admin-key); with a tenant's API key (--api-key, under --prefix-cache-scope api-key), its own",
+        )
+    freed = state.ready.scheduler.flush_cache(state.tenants.salt_prefix(tenant))
+    return web.json_response({"freed_blocks": freed, "scope": "tenant"})
 
 
 async def timeline(request: web.Request) -> web.Response:

@@ -30,6 +30,12 @@ def add_client_flags(serve: argparse.ArgumentParser) -> None:
         help="read the API keys from PATH, one per non-empty line (unlike --api-key, not visible in the process list)",
     )
     serve.add_argument(
+        "--admin-key",
+        default=None,
+        help="the key of admin endpoints (or env PPSERVE_ADMIN_KEY): /flush_cache with it empties every tenant's "
+        "cached prefixes; with a tenant's API key, only that tenant's (default: none)",
+    )
+    serve.add_argument(
         "--prefix-cache-scope",
         choices=["api-key", "shared"],
         default="api-key",
@@ -102,12 +108,16 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     api_keys = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else [])
     if any(not key.strip() for key in api_keys):
         raise ValueError("--api-key must not be empty")
+    admin_key = args.admin_key if args.admin_key is not None else os.environ.get("PPSERVE_ADMIN_KEY") or None
+    if admin_key is not None and (not admin_key.strip() or admin_key in api_keys):
+        raise ValueError("--admin-key must be non-empty and differ from every --api-key")
     return ServerOptions(
         shutdown_timeout_s=args.shutdown_timeout,
         served_model_name=args.served_model_name or model_name(args.model),
         # The variable holds one key (several tenants: --api-key-file).
         api_keys=tuple(api_keys) or tuple(filter(None, [os.environ.get("PPSERVE_API_KEY")])),
         prefix_cache_scope=args.prefix_cache_scope,
+        admin_key=admin_key,
         host=args.host,
         allowed_origins=args.allowed_origins,
         playground=args.playground,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from ppserve.server.protocol import ApiError, ChatMessage, _Sampling, decode
+from ppserve.server.protocol import ApiError, ChatMessage, _Sampling, decode_async
 
 T = TypeVar("T")
 
@@ -50,9 +50,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def decode_request(body: bytes | str, type_: type[T], limits: RequestLimits) -> T:
-    """`decode` (protocol.py), then the limits: every request body goes through here."""
-    request = decode(body, type_)
+async def decode_request(body: bytes | str, type_: type[T], limits: RequestLimits) -> T:
+    """`decode_async` (protocol.py), then the limits: every request body goes through here."""
+    request = await decode_async(body, type_)
     check_limits(request, limits)
     return request
 

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Hashable
 from contextlib import aclosing
 from typing import Any
 
@@ -39,17 +38,18 @@ from aiohttp import WSMsgType, web
 
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server import tokens
-from ppserve.server.app import STATE, TENANT, ServerState
+from ppserve.server.app import STATE, TENANT, ServerState, client_key, client_of
 from ppserve.server.limits import check_limits, decode_request
 from ppserve.server.protocol import (
     DEFAULT_MAX_TOKENS,
-    MAX_ID_CHARS,
     ApiError,
     GenerateRequest,
     WsAuth,
     WsCancel,
     WsChat,
-    decode_ws,
+    clip_message,
+    decode_ws_async,
+    peek_id,
 )
 from ppserve.server.security import bearer_token
 from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
@@ -69,7 +69,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ws", websocket)
 
 
-async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id: str, tenant: Tenant | None) -> Stream:
+async def _submit(
+    state: ServerState, body: GenerateRequest | WsChat, request_id: str, tenant: Tenant | None, client: Hashable
+) -> Stream:
     salt = state.cache_salt(tenant, body.cache_salt)  # before any tokenizing: a refusal costs nothing
     default: int | None = DEFAULT_MAX_TOKENS
     if isinstance(body, WsChat):
@@ -79,7 +81,7 @@ async def _submit(state: ServerState, body: GenerateRequest | WsChat, request_id
         ids = await state.encode(body.prompt(), "text")
     params = body.params(state.max_tokens(ids, body.sampling_params.max_tokens, default=default))
     await state.check_grammar(params)
-    return state.submit(ids, params, request_id, cache_salt=salt)
+    return state.submit(ids, params, request_id, cache_salt=salt, client=client)
 
 
 def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
@@ -94,9 +96,9 @@ def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode_request(await request.read(), GenerateRequest, state.options.limits)
+    body = await decode_request(await request.read(), GenerateRequest, state.options.limits)
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = await _submit(state, body, rid, request.get(TENANT))
+    stream = await _submit(state, body, rid, request.get(TENANT), client_of(request))
     if not body.stream:
         (r,) = await collect([stream])
         result: dict[str, Any] = {
@@ -150,14 +152,14 @@ class _Socket:
                 await self.ws.send_json(event)
 
     async def error(self, message: str, rid: str | None) -> None:
-        await self.send({"type": "error", "id": rid, "message": message})
+        await self.send({"type": "error", "id": rid, "message": clip_message(message)})
 
     async def handle(self, data: str) -> None:
         try:
             await self._handle(data)
         except Exception as e:  # whatever one message does wrong, the socket and its other requests live on
             log.exception("websocket message failed")
-            await self.error(f"internal error: {e}", _peek_id(data))
+            await self.error(f"internal error: {e}", peek_id(data))
 
     async def authenticate(self) -> bool:
         """Wait for the first message, which must be `auth` with the right key; anything else,
@@ -171,16 +173,16 @@ class _Socket:
             message = None
         if message is not None and message.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
             return False  # the client closed the socket, or the server is shutting down
-        if message is not None and message.type == WSMsgType.TEXT and self._carries_key(message.data):
+        if message is not None and message.type == WSMsgType.TEXT and await self._carries_key(message.data):
             await self.send({"type": "auth_ok"})
             return True
         await self.error(AUTH_ERROR, None)
         await self.ws.close(code=UNAUTHORIZED, message=b"missing or wrong API key")
         return False
 
-    def _carries_key(self, data: str) -> bool:
+    async def _carries_key(self, data: str) -> bool:
         try:
-            msg = decode_ws(data)  # the union, so that the "type" tag must be there
+            msg = await decode_ws_async(data)  # the union, so that the "type" tag must be there
         except ApiError:
             return False
         return isinstance(msg, WsAuth) and self._is_key(msg)
@@ -196,10 +198,10 @@ class _Socket:
 
     async def _handle(self, data: str) -> None:
         try:
-            msg = decode_ws(data)
+            msg = await decode_ws_async(data)
             check_limits(msg, self.state.options.limits)
         except ApiError as e:
-            await self.error(e.message, _peek_id(data))
+            await self.error(e.message, peek_id(data))
             return
         if isinstance(msg, WsAuth):  # again, on a socket already let in: say whether this key is right
             if self._is_key(msg):
@@ -218,7 +220,8 @@ class _Socket:
             await self.error(f"id {msg.id!r} is already in use on this socket", msg.id)
             return
         try:
-            stream = await _submit(self.state, msg, self.prefix + msg.id, self.tenant)
+            client = client_key(self.state.options, self.tenant, self.ws)  # the socket, or its key's tenant
+            stream = await _submit(self.state, msg, self.prefix + msg.id, self.tenant, client)
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
@@ -287,14 +290,3 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
         await sock.close()
         state.websockets.discard(ws)
     return ws
-
-
-def _peek_id(data: str) -> str | None:
-    """The id of a message we could not decode, if it has a valid one (to tag the error; an
-    overlong id is not echoed back)."""
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    rid = value.get("id") if isinstance(value, dict) else None
-    return rid if isinstance(rid, str) and 1 <= len(rid) <= MAX_ID_CHARS else None

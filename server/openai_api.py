@@ -21,7 +21,7 @@ from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens, tool_calls
-from ppserve.server.app import STATE, TENANT, ServerState
+from ppserve.server.app import STATE, TENANT, ServerState, client_of
 from ppserve.server.limits import decode_request
 from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
 from ppserve.server.streams import Stream, collect, merge, sse_response
@@ -40,18 +40,25 @@ def add_routes(app: web.Application) -> None:
 
 
 def _choices(
-    state: ServerState, ids: list[int], params: SamplingParams, n: int, rid: str, first: int, salt: str | None
+    request: web.Request, ids: list[int], params: SamplingParams, n: int, rid: str, first: int, salt: str | None
 ) -> list[Stream]:
     """n streams of one prompt; a seeded request gets seed + i for choice i, wrapped into the
-    seed's range (so choice 0 keeps the seed as given, and the largest seed still works).
-    `salt`: the engine's cache salt (ServerState.cache_salt)."""
+    seed's range (so choice 0 keeps the seed as given, and the largest seed still works). Only
+    choice 0 scores the prompt (prompt logprobs): the others share its scores, rather than each
+    compute the whole prompt's logits again. `salt`: the engine's cache salt (ServerState.cache_salt)."""
+    state = request.app[STATE]
     return [
         state.submit(
             ids,
-            replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) if params.seed is not None else params,
+            replace(
+                params,
+                seed=(params.seed + i) % (MAX_SEED + 1) if params.seed is not None else None,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            ),
             f"{rid}-{first + i}",
             pending=first + i,  # the choices before this one are checked but not queued yet
             cache_salt=salt,
+            client=client_of(request),
         )
         for i in range(n)
     ]
@@ -79,7 +86,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 async def _read(request: web.Request, kind: type[Body]) -> tuple[ServerState, Body, str | None]:
     """The request body, decoded and checked, with the server state and the engine's cache salt."""
     state = request.app[STATE]
-    body = decode_request(await request.read(), kind, state.options.limits)
+    body = await decode_request(await request.read(), kind, state.options.limits)
     body.check()
     state.check_model(body.model)
     return state, body, state.cache_salt(request.get(TENANT), body.cache_salt)
@@ -99,9 +106,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_tokens = 0
     prompts = body.prompts()
     # max_tokens 0 (echo only) runs as 1, since a prompt's last step samples anyway, and the
-    # token is dropped: the answer is the prompt, scored.
+    # token is dropped: the answer is the prompt, scored. Its n choices are the same answer, so
+    # one stream per prompt makes all of them.
     scoring = body.max_tokens == 0
     requested = 1 if scoring else body.max_tokens
+    copies = body.n if scoring else 1  # choices each stream answers
     # Before tokenizing anything: a request the queue can never hold is refused outright.
     state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     for prompt in prompts:
@@ -116,7 +125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
         params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
         await state.check_grammar(params, _constraint_field(body))
-        streams += _choices(state, ids, params, body.n, rid, len(streams), salt)
+        streams += _choices(request, ids, params, body.n // copies, rid, len(streams), salt)
         text = ""  # echo only: decoding a long token-id prompt is not free
         if body.echo:
             text = prompt if isinstance(prompt, str) else await tokens.decode(tokenizer, ids)
@@ -137,9 +146,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return out if prompt is None else {k: prompt[k] + v for k, v in out.items()}
 
     base = _header(state, rid, "text_completion")
+    leader = [i - i % body.n for i in range(len(echoes))]  # per choice: the one that scored its prompt
     if not body.stream:
-        results = await collect(streams)
-        prompt_parts = [await echoed(i, r.prompt_logprobs) for i, r in enumerate(results)]
+        results = [r for r in await collect(streams) for _ in range(copies)]  # per choice
+        prompt_parts = [await echoed(i, results[leader[i]].prompt_logprobs) for i in range(len(results))]
         choices = [
             {
                 "index": i,
@@ -158,19 +168,42 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
         completion_tokens = 0
-        cached = [0] * len(streams)
+        cached = [0] * len(echoes)
         extra = {"usage": None} if body.include_usage else {}
+        # Echoed prompt logprobs come with a prompt's first choice (its leader): the other choices'
+        # first outputs wait for them, then go out with the same scores.
+        scores: dict[int, list[TokenLogprob | None] | None] = {}
+        held: dict[int, list[tuple[int, RequestOutput]]] = {}
+        sharing = body.echo and body.prompt_logprobs is not None and not scoring
+
+        async def chunk(i: int, out: RequestOutput, first: bool) -> dict[str, Any]:
+            nonlocal completion_tokens
+            new_text = "" if scoring else out.text
+            text, echoes[i] = echoes[i] + new_text, ""
+            prompt = await echoed(i, scores.get(leader[i]) if first else None)
+            choice_logprobs = logprobs(out.logprobs or [], offsets[i], prompt)
+            offsets[i] += len(new_text)
+            completion_tokens += 0 if scoring else len(out.token_ids)
+            cached[i] = out.cached_tokens
+            finish = "length" if scoring and out.finished else out.finish_reason
+            choice = {"index": i, "text": text, "logprobs": choice_logprobs, "finish_reason": finish}
+            return {**base, "choices": [choice], **extra}
+
+        started: set[int] = set()
         async with aclosing(merge(streams)) as outputs:
-            async for i, out in outputs:
-                new_text = "" if scoring else out.text
-                text, echoes[i] = echoes[i] + new_text, ""
-                choice_logprobs = logprobs(out.logprobs or [], offsets[i], await echoed(i, out.prompt_logprobs))
-                offsets[i] += len(new_text)
-                completion_tokens += 0 if scoring else len(out.token_ids)
-                cached[i] = out.cached_tokens
-                finish = "length" if scoring and out.finished else out.finish_reason
-                choice = {"index": i, "text": text, "logprobs": choice_logprobs, "finish_reason": finish}
-                yield {**base, "choices": [choice], **extra}
+            async for s, out in outputs:
+                for i in range(s * copies, (s + 1) * copies):
+                    first = i not in started
+                    started.add(i)
+                    if i == leader[i] and first:
+                        scores[i] = out.prompt_logprobs
+                    elif sharing and first and leader[i] not in scores:
+                        held.setdefault(leader[i], []).append((i, out))
+                        continue
+                    yield await chunk(i, out, first)
+                    if i == leader[i] and first:
+                        for j, waiting in held.pop(i, []):
+                            yield await chunk(j, waiting, True)
         if body.include_usage:
             yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]))}
 
@@ -233,7 +266,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
     await state.check_grammar(params, _constraint_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = _choices(state, ids, params, body.n, rid, 0, salt)
+    streams = _choices(request, ids, params, body.n, rid, 0, salt)
     base = _header(state, rid, "chat.completion")
 
     def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:

@@ -233,8 +233,9 @@ def _paths() -> dict[str, Any]:
             "post": _op(
                 "flushCache",
                 "operations",
-                "Admin: forget every cached prompt prefix, so the next requests compute theirs again (requests "
-                "running keep their KV); needs the API key, and a server started without one refuses it (403)",
+                "Forget cached prompt prefixes, so the next requests compute theirs again (requests running keep "
+                "their KV): every tenant's with the admin key (--admin-key), a tenant's own with its API key; a "
+                "server with neither refuses it (403)",
                 {"200": _json("FlushCacheResult", "the cache is empty"), **_errors(401, 403, 415, 503)},
             )
         },

@@ -10,6 +10,7 @@ the app turns into OpenAI's JSON error shape.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
@@ -69,12 +70,25 @@ CacheSalt = Annotated[
 ]
 
 
+MAX_MESSAGE_CHARS = 400  # of an error message: those that quote the input quote a bounded part of it
+
+
+def clip_message(message: str) -> str:
+    """`message`, or its head and tail when longer than MAX_MESSAGE_CHARS: an error that quotes
+    a client's input (a 64 KiB grammar, a huge id) must not send it all back, nor log it."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    head, tail = MAX_MESSAGE_CHARS * 2 // 3, MAX_MESSAGE_CHARS // 4
+    return f"{message[:head]} ... [{len(message) - head - tail} characters left out] ... {message[-tail:]}"
+
+
 class ApiError(Exception):
-    """An error answered to the client: status, message, and the request field at fault."""
+    """An error answered to the client: status, message (clipped), and the request field at fault."""
 
     def __init__(
         self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
     ) -> None:
+        message = clip_message(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -91,6 +105,7 @@ class ApiError(Exception):
             408: "invalid_request_error",
             413: "invalid_request_error",
             415: "invalid_request_error",
+            429: "rate_limit_error",
             503: "service_unavailable",
         }.get(self.status, "server_error")
 
@@ -138,8 +153,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            # ASCII digits only: str.isdigit() takes "²" and other digits int() refuses, and a key
+            # of thousands of digits is no token id (int() refuses those past 4,300 digits).
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ApiError(400, f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
             pairs.append((int(key), bias))
         try:
             return SamplingParams(logit_bias=tuple(pairs)).logit_bias
@@ -382,20 +399,50 @@ WsMessage = WsGenerate | WsChat | WsCancel | WsAuth
 _FIELD = re.compile(r" - at `\$\.?([A-Za-z_][\w.\[\]]*)`$")
 
 
+# Bodies up to this size decode in well under a millisecond: on the event loop, no thread hop.
+INLINE_BODY_BYTES = 64 * 2**10
+
+
+class _BeyondFloat64(Exception):
+    """A number that float64 cannot hold (1e999): raised by the float hook, named by `_out_of_range`."""
+
+
+def _float(text: str) -> float:
+    """Every JSON float literal goes through here rather than through msgspec's own parser. That
+    one falls back to a slow big-decimal algorithm for exponents past its fast path's table (9e307
+    costs orders of magnitude more than 1.5), in C, holding the GIL for the whole body: a body full
+    of them froze the event loop even from a worker thread. Python's float() is fast for every
+    literal, and a Python call per float lets the GIL change hands, so a large body decoded in a
+    thread leaves the loop free. Linear in the body either way."""
+    value = float(text)
+    if math.isinf(value):
+        raise _BeyondFloat64
+    return value
+
+
+def _float_or_inf(text: str) -> float:
+    return float(text)  # a Python function, not `float` itself, for the GIL's sake (see `_float`)
+
+
+_DECODER = msgspec.json.Decoder(float_hook=_float)
+_INF_DECODER = msgspec.json.Decoder(float_hook=_float_or_inf)  # 1e999 -> inf, to find where it is
+
+
 def decode(body: bytes | str, type_: type[T]) -> T:
     """Decode a JSON body into `type_`; errors name the field (400). A field that is null counts
     as absent (its default), as in OpenAI's API, where clients often send nulls: at the top level
-    and in `sampling_params` (/generate, the websocket). Limits: `limits.decode_request`."""
+    and in `sampling_params` (/generate, the websocket). Limits: `limits.decode_request`. Runs in
+    the caller's thread: a server calls `decode_async`."""
     try:
-        value = msgspec.json.decode(body)
+        value = _DECODER.decode(body)
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if v is not None}
             if isinstance(value.get("sampling_params"), dict):
                 value["sampling_params"] = {k: v for k, v in value["sampling_params"].items() if v is not None}
         return msgspec.convert(value, type=type_, strict=True)
+    except _BeyondFloat64:
+        raise _out_of_range(body) from None
     except msgspec.ValidationError as e:
-        if str(e).startswith("Number out of range"):  # msgspec's path is `$[...]` here: find the field
-            raise _out_of_range(body) from None
         m = _FIELD.search(str(e))
         if m is None:
             raise ApiError(400, f"invalid request: {e}") from None
@@ -407,12 +454,16 @@ def decode(body: bytes | str, type_: type[T]) -> T:
         raise ApiError(400, "the JSON is nested too deeply") from None
 
 
-_INF_DECODER = msgspec.json.Decoder(float_hook=float)  # 1e999 -> inf rather than an error
+async def decode_async(body: bytes | str, type_: type[T]) -> T:
+    """`decode`, in a worker thread unless the body is small: decoding is linear in the body, and
+    16 MiB of it would hold up every stream of the server (see `_float` for why a thread helps)."""
+    if len(body) <= INLINE_BODY_BYTES:
+        return decode(body, type_)
+    return await asyncio.to_thread(decode, body, type_)
 
 
 def _out_of_range(body: bytes | str) -> ApiError:
-    """The 400 for a number beyond float64, naming its field (only on this error path: decoding
-    every float through a Python hook is slow)."""
+    """The 400 for a number beyond float64, naming its field (only on this error path)."""
     value: Any = _INF_DECODER.decode(body)
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:  # depth-first, iteratively (the JSON may be nested deeply)
@@ -431,6 +482,27 @@ def decode_ws(data: str) -> WsGenerate | WsChat | WsCancel | WsAuth:
     """A websocket message (`decode` of the tagged union, which mypy does not take for a type)."""
     message: WsGenerate | WsChat | WsCancel | WsAuth = decode(data, WsMessage)  # type: ignore[arg-type]
     return message
+
+
+async def decode_ws_async(data: str) -> WsGenerate | WsChat | WsCancel | WsAuth:
+    """`decode_ws`, off the event loop when the message is large (as `decode_async`)."""
+    message: WsGenerate | WsChat | WsCancel | WsAuth = await decode_async(data, WsMessage)  # type: ignore[arg-type]
+    return message
+
+
+class _Peek(msgspec.Struct):
+    id: str | None = None  # not Any: an id of any other type fails at once, unbuilt
+
+
+def peek_id(data: str) -> str | None:
+    """The id of a websocket message we could not decode, if it has a valid one (to tag the
+    error; an overlong id is not echoed back). msgspec skips the other fields without building
+    them, so this is cheap enough for the event loop at any message size."""
+    try:
+        rid = msgspec.json.decode(data, type=_Peek).id
+    except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+        return None
+    return rid if isinstance(rid, str) and 1 <= len(rid) <= MAX_ID_CHARS else None
 
 
 def invalid(message: str) -> ApiError:

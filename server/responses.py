@@ -183,6 +183,7 @@ class GenerateChunk(msgspec.Struct):
 
 class FlushCacheResult(msgspec.Struct):
     freed_blocks: int  # cached KV blocks that nobody used, now free (blocks in use keep their KV)
+    scope: Literal["all", "tenant"]  # every tenant's prefixes (the admin key), or the caller's own
 
 
 class StageNode(msgspec.Struct):

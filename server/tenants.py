@@ -87,4 +87,9 @@ class Tenants:
             return salt
         # b"" for no salt vs b"\x01" + salt: the two never hash alike (an empty salt is refused anyway).
         data = b"" if salt is None else b"\x01" + salt.encode("utf-8", "surrogatepass")
-        return "tenant:" + hashlib.blake2b(data, key=tenant.tag, digest_size=16).hexdigest()
+        return self.salt_prefix(tenant) + hashlib.blake2b(data, key=tenant.tag, digest_size=16).hexdigest()
+
+    def salt_prefix(self, tenant: Tenant) -> str:
+        """What every cache salt of `tenant` starts with (under `api-key`), so that its cached
+        prefixes can be flushed without the others' (`/flush_cache` with its key)."""
+        return f"tenant:{tenant.tag[:8].hex()}:"

@@ -5,8 +5,9 @@ one such request freezes every stream of the server for seconds. So a text that 
 context is refused from its length alone, before any tokenizing, and what is left is tokenized
 on the loop when it is small (a thread hop would cost more than the work) and in a worker
 thread when it is large (the tokenizer releases the GIL there): `Tokenizer.encode_async`. The
-chat template and the decoding of long token lists get the same treatment here, and every
-refusal becomes a 400 naming the request field at fault.
+decoding of long token lists gets the same treatment here; the chat template, the model's own
+code, always renders in its worker process under a budget. Every refusal becomes a 400 naming
+the request field at fault.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ppserve.engine.model.tokenizer import INLINE_CHARS, Tokenizer
+from ppserve.engine.model.chat_template import TemplateBudgetError
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server.protocol import ApiError
 
 T = TypeVar("T")
@@ -48,12 +50,15 @@ async def encode_chat(
 ) -> list[int]:
     """The chat template's token ids for `messages` (and `tools`, for a template that renders
     them). The template may drop or rewrite parts of the messages, so the length check applies
-    to the rendered text, not to the messages."""
-    large = sum(len(m["content"]) for m in messages) > INLINE_CHARS or tools is not None
+    to the rendered text, not to the messages. The template renders in its worker process
+    (never on the loop, whatever its size: it is the model's code and may run long), within a
+    budget: a template past it is the model's fault, a 500 that says so."""
     try:
-        text = await off_loop(large, tokenizer.render_chat, messages, add_generation_prompt, tools)
+        text = await tokenizer.render_chat_async(messages, add_generation_prompt, tools)
     except ValueError as e:  # no chat template
         raise ApiError(400, str(e), "messages") from None
+    except TemplateBudgetError as e:
+        raise ApiError(500, f"the model's chat template failed: {e}") from None
     except Exception as e:  # a template can fail in many ways (jinja errors on unexpected roles...)
         raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
     # The template writes its own special tokens (BOS included), so don't add them twice.

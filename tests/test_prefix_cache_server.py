@@ -106,6 +106,63 @@ def test_flush_cache_needs_the_key_and_empties_the_cache(live_server: LiveServer
     assert live_server.request("GET", "/flush_cache")[0] == 405
 
 
+def test_a_flush_with_a_salt_prefix_forgets_only_those_blocks() -> None:
+    """The scheduler: requests of two salts cache their blocks; flushing one salt's prefix frees
+    its cached blocks and leaves the other's findable."""
+    from test_scheduler import drain, make, req
+
+    s = make(pp=1, enable_prefix_caching=True)
+    for salt in ("tenant:aa:1", "tenant:bb:1"):
+        r = req(f"r-{salt}", 12)
+        r.cache_salt = salt
+        s.add(r)
+    drain(s)
+    cached = s.allocator.num_cached
+    assert cached > 0
+    assert s.flush_cache("tenant:aa:") == cached // 2
+    again = req("again", 12)
+    again.cache_salt = "tenant:bb:1"
+    s.add(again)
+    drain(s)
+    assert again.num_cached_tokens and again.num_cached_tokens > 0
+    gone = req("gone", 12)
+    gone.cache_salt = "tenant:aa:1"
+    s.add(gone)
+    drain(s)
+    assert gone.num_cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_tenants_flush_empties_its_own_cache_and_the_admin_key_everyones(llama_dir: Path) -> None:
+    key_a, key_b, admin = "tenant-a-key", "tenant-b-key", "the-admin-key"
+    server = LiveServer(llama_dir, "--api-key", key_b, "--admin-key", admin, "--kv-cache-gb", "0.02", api_key=key_a)
+
+    def cached(key: str) -> int:
+        body = {"prompt": SYSTEM + "Q: who flushes?", "max_tokens": 1}
+        status, _, raw = server.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {key}"})
+        assert status == 200, raw
+        return int(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def flush(key: str) -> tuple[int, dict[str, object]]:
+        status, _, raw = server.request("POST", "/flush_cache", {}, {"Authorization": f"Bearer {key}"})
+        return status, json.loads(raw)
+
+    try:
+        for key in (key_a, key_b):
+            cached(key)
+            assert cached(key) > 0
+        status, answer = flush(key_b)
+        assert status == 200 and answer["scope"] == "tenant" and answer["freed_blocks"], answer
+        assert cached(key_a) > 0  # A's prefixes are still there
+        assert cached(key_b) == 0  # B's are gone (and cached again now)
+        assert flush("not-the-admin-key")[0] == 401
+        status, answer = flush(admin)
+        assert status == 200 and answer["scope"] == "all" and answer["freed_blocks"], answer
+        assert cached(key_a) == 0 and cached(key_b) == 0
+    finally:
+        assert server.stop() == 0, "".join(server.output)
+
+
 async def test_flush_cache_is_refused_by_a_server_without_a_key(llama_dir: Path) -> None:
     app = web.Application()
     app[STATE] = ServerState(EngineConfig.create(llama_dir), ServerOptions(api_key=None))

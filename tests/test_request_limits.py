@@ -38,18 +38,11 @@ class _Engine:
         self.tokenizer = tokenizer
         self.params: list[SamplingParams] = []
 
-    def check_request(
-        self, ids: list[int], params: SamplingParams, pending: int = 0, cache_salt: str | None = None
-    ) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams, *_: Any) -> None:
         self.params.append(params)
 
     async def generate(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        prefill: str | None = None,
-        cache_salt: str | None = None,
+        self, ids: list[int], params: SamplingParams, request_id: str, **_: Any
     ) -> AsyncGenerator[RequestOutput, None]:
         yield RequestOutput(request_id, "ok", [5], True, "length", len(ids), 1)
 

@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 from live_server import LiveServer
 
+from ppserve.server.protocol import MAX_MESSAGE_CHARS
+
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
@@ -48,6 +50,8 @@ BAD_INPUTS: list[tuple[str, Any, int, str]] = [
     (CHAT, {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"²": 1}}, 400, "logit_bias"),  # a digit to isdigit(), not to int()
+    (CHAT, {"messages": USER, "logit_bias": {"7" * 5000: 1}}, 400, "logit_bias"),  # past int()'s 4,300 digits
     (CHAT, {"messages": USER, "tools": []}, 400, "tools"),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
@@ -69,6 +73,14 @@ def test_bad_input(live_server: LiveServer, path: str, body: Any, status: int, n
     error = json.loads(raw)["error"]
     assert needle in error["message"] or needle == error["param"], error
     assert error["code"] == status and error["type"]
+
+
+def test_error_messages_quote_a_bounded_part_of_the_input(live_server: LiveServer) -> None:
+    """An error that quotes a request's input sends back its head and tail, not all of it."""
+    code, _, raw = live_server.request("GET", "/debug/pipeline?since=" + "9" * 6000 + "x")
+    message = json.loads(raw)["error"]["message"]
+    assert code == 400 and message.startswith("since must be") and message.endswith("9x'")
+    assert len(message) <= MAX_MESSAGE_CHARS + 60 and "characters left out" in message, message
 
 
 def test_server_still_serves_after_bad_input(live_server: LiveServer) -> None:

@@ -43,9 +43,15 @@ def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """The kernel a `Linear` of `dtype` on `device` runs by default (see the module doc)."""
     if cpu_kernels.float_gemm_available(device, dtype):
         return "ppserve"
-    if device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
-        return "onednn"
-    return "torch"
+    return "onednn" if onednn_available(device, dtype) else "torch"
+
+
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs `dtype` on `device`: its bfloat16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT, which CPUs with AVX2 alone lack."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def onednn_rows(rows: int) -> int:
@@ -93,6 +99,8 @@ class Linear(nn.Module):
         self.kernel = kernel or default_kernel(weight.device, weight.dtype)
         if self.kernel == "ppserve" and weight.dtype == torch.bfloat16 and self.in_features % 2:
             self.kernel = "onednn"  # the bfloat16 GEMM takes its inputs in pairs
+        if self.kernel == "onednn" and not onednn_available(weight.device, weight.dtype):
+            self.kernel = "torch"  # what this CPU lacks, torch's own matmul does
         self.gemm: cpu_kernels.FloatGemm | None = None
         self.silu = gated and self.kernel == "ppserve" and self.out_features % 32 == 0 and weight.dtype == torch.float32
         if self.silu:

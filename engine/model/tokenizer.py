@@ -1,14 +1,18 @@
 """Tokenizer glue: `tokenizer.json` (+ `tokenizer_config.json`, chat template) via transformers,
-and incremental detokenization for streaming."""
+and incremental detokenization for streaming. Chat templates render in a worker process, within
+a budget (chat_template.py, chat_template_worker.py), to the text transformers renders."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ppserve.engine.model.chat_template import DEFAULT_BUDGET, RenderBudget, chat_variables
+from ppserve.engine.model.chat_template_worker import ChatTemplateWorker
 from ppserve.engine.model.model_config import ConfigError
 
 # Tokens of context kept before the unread ones: enough for a tokenizer to decode a word's
@@ -25,6 +29,8 @@ class Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"no tokenizer.json in {model_dir}")
         self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.template_budget: RenderBudget = DEFAULT_BUDGET
+        self._templates = ChatTemplateWorker()  # its process starts with the first render
 
     @property
     def eos_token_id(self) -> int | None:
@@ -79,17 +85,29 @@ class Tokenizer:
     ) -> str:
         """The chat template's text for `messages` (what `apply_chat_template` tokenizes), so a
         caller can look at its length before paying for tokenization. `tools`: OpenAI's, for a
-        template that renders them."""
+        template that renders them. The text is transformers' `apply_chat_template(...,
+        tokenize=False)`, rendered in the worker process: chat_template.TemplateError if the
+        template fails, TemplateBudgetError if it runs past `template_budget`. Blocks until the
+        worker answers; `render_chat_async` waits without blocking."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use completions with a plain prompt")
-        return str(
-            self.hf.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,  # type: ignore[arg-type]  # transformers' hint is invariant in the list
-            )
-        )
+        template = self.hf.get_chat_template(None, tools)  # the "tool_use" one of several, with tools
+        variables = chat_variables(messages, tools, add_generation_prompt, self.hf.special_tokens_map)
+        return self._templates.render(template, variables, self.template_budget)
+
+    async def render_chat_async(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[Any, Any]] | None = None,
+    ) -> str:
+        """`render_chat` from the event loop: it waits in the renders' own thread."""
+        render = functools.partial(self.render_chat, messages, add_generation_prompt, tools)
+        return await asyncio.get_running_loop().run_in_executor(self._templates.executor, render)
+
+    def close(self) -> None:
+        """Stop the chat template worker (a render in progress fails at once); later renders fail."""
+        self._templates.close()
 
     @cached_property
     def max_token_chars(self) -> int:
