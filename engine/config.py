@@ -55,8 +55,8 @@ class EngineConfig:
     max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
     # Running and waiting requests one client may hold (an API key, or a connection where there is
     # none): past it, its new requests are refused (HTTP 429), so that no client can fill the queue
-    # and starve the others. 0 (the default): half of max_running_requests.
-    max_requests_per_client: int = 0
+    # and starve the others. Half the default max_running_requests: a newcomer finds a running slot.
+    max_requests_per_client: int = 128
     max_batched_tokens: int = _SCHEDULER.max_batched_tokens  # new tokens per micro-batch
     chunked_prefill_size: int = _SCHEDULER.chunked_prefill_size
     dynamic_chunking: bool = _SCHEDULER.dynamic_chunking  # size later chunks from a prefill latency model
@@ -161,8 +161,6 @@ class EngineConfig:
             s["max_batched_tokens"] = max(cls.max_batched_tokens, s["chunked_prefill_size"])
         if given.get("threads_per_stage") is None:
             s["threads_per_stage"] = max(1, (os.cpu_count() or 1) // pp_size)
-        if not s["max_requests_per_client"]:
-            s["max_requests_per_client"] = max(1, s["max_running_requests"] // 2)
         _validate(s)
         cluster: ClusterConfig | None = s["cluster"]
         if gpu_ids and device != "cuda":

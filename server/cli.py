@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-requests-per-client",
         type=int,
-        default=0,
-        help="running and waiting requests one client (an API key, or a connection without one) may hold; "
-        "past it, HTTP 429 (default 0: half of --max-running-requests)",
+        default=128,
+        help="running and waiting requests one client (an API key on a server with several, else a connection) "
+        "may hold; past it, HTTP 429 (default 128)",
     )
     serve.add_argument(
         "--shutdown-timeout",

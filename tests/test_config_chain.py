@@ -95,7 +95,7 @@ def test_create_takes_fields_by_name_and_checks_them(llama_dir: Path) -> None:
 def test_every_engine_flag_defaults_to_what_create_takes(base: EngineConfig, llama_dir: Path, command: str) -> None:
     params = inspect.signature(EngineConfig.create).parameters
     flags = _flags(command)
-    assert {a.dest for a in flags} >= set(ENGINE_FLAGS) - {"max_waiting_requests"}
+    assert {a.dest for a in flags} >= set(ENGINE_FLAGS) - {"max_waiting_requests", "max_requests_per_client"}
     for action in flags:
         kw = ENGINE_FLAGS.get(action.dest) or DISAGG_FLAGS[action.dest]
         if kw in params:  # an input of create() that is no field

@@ -18,7 +18,7 @@ from live_server import LiveServer
 from test_scheduler import make, req
 
 from ppserve.engine.model import grammar_check
-from ppserve.engine.model.grammar import MAX_NESTING, MAX_RULES, Grammars, build_grammar
+from ppserve.engine.model.grammar import CACHE_BYTES, MAX_NESTING, MAX_REPEAT, MAX_RULES, Grammars, build_grammar
 from ppserve.engine.model.grammar_check import GrammarChecker
 from ppserve.engine.model.sampler import Sampler
 from ppserve.engine.model.tokenizer import Tokenizer
@@ -85,22 +85,29 @@ async def test_the_worker_dies_or_runs_over_and_the_next_check_is_served(fake_ch
         await fake_checker.close()
 
 
-def test_rules_and_nesting_are_counted_before_anything_compiles() -> None:
+def test_rules_nesting_and_repeats_are_counted_before_anything_compiles() -> None:
     with pytest.raises(ValueError, match=f"2702 rules, more than {MAX_RULES}"):
         build_grammar("grammar", chain(2700))
     with pytest.raises(ValueError, match=f"more than {MAX_NESTING}"):
         build_grammar("regex", "(" * 200 + "a" + ")" * 200)
+    for regex, times in (("a{1000000}", 10**6), ("(a{1000}){100000}", 10**8), ("((ab){10}c){20000}", 200_000)):
+        with pytest.raises(ValueError, match=f"repeats one part {times} times, more than {MAX_REPEAT}"):
+            build_grammar("regex", regex)
+        with pytest.raises(ValueError, match=f"schema's pattern repeats one part {times} times"):
+            build_grammar("json", {"type": "object", "patternProperties": {regex: {"type": "string"}}})
+    for regex in ("(a{1000}){100}", r"\{99999999\}", "[{]{5}", "a{2,}"):
+        assert build_grammar("regex", regex)
     assert build_grammar("grammar", chain(MAX_RULES - 2))  # within the limit: llguidance's to judge
 
 
 async def test_a_real_worker_refuses_what_gives_up_and_keeps_what_fits(llama_dir: Path) -> None:
-    """`a{1000000}` compiles, and its lexer gives up at a later request's first mask: refused up
-    front. A chain of rules as long as the limit allows compiles on the worker's stack."""
+    """A schema whose first mask fails is refused up front (budgets are run out by the stand-in
+    worker above). A chain of rules as long as the limit allows compiles on the worker's stack."""
     tok = Tokenizer(llama_dir)
     checker = GrammarChecker(llama_dir, len(tok.hf))
     try:
-        with pytest.raises(ValueError, match="too many expressions"):
-            await checker.check(build_grammar("regex", "a{1000000}"))
+        with pytest.raises(ValueError, match="NoExtensionBias"):
+            await checker.check(build_grammar("json", {"$ref": "#"}))
         assert await checker.check(build_grammar("grammar", chain(MAX_RULES - 2))) > 0
         assert await checker.check(build_grammar("choice", ["yes", "no"])) > 0
     finally:
@@ -159,9 +166,10 @@ def test_hostile_grammars_are_refused_while_a_bystander_streams(live_server: Liv
     stream never pauses longer than STALL_BOUND_S meanwhile."""
     hostile: list[tuple[dict[str, Any], str]] = [
         ({"grammar": chain(2700)}, "rules"),
-        ({"regex": "a{1000000}"}, "too many expressions"),
-        ({"regex": "(a{1000}){100000}"}, "too many expressions"),
+        ({"regex": "a{1000000}"}, "repeats one part"),
+        ({"regex": "(a{1000}){100000}"}, "repeats one part"),
         ({"regex": "(" * 5000 + "a" + ")" * 5000}, "nests brackets"),
+        ({"json": {"$ref": "#"}}, "NoExtensionBias"),
     ]
     stop, gaps = threading.Event(), list[float]()
     bystander = threading.Thread(target=_stream_gaps, args=(live_server, stop, gaps))
@@ -183,3 +191,33 @@ def test_hostile_grammars_are_refused_while_a_bystander_streams(live_server: Liv
     ok = {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}
     status, _, answer = live_server.request("POST", COMP, ok)
     assert status == 200 and json.loads(answer)["choices"][0]["text"] in ("yes", "no"), answer
+
+
+@pytest.mark.slow
+def test_expensive_grammars_keep_memory_within_the_cache_bound(live_server: LiveServer) -> None:
+    """Distinct regexes that each cost tens of MB compiled, more of them than the last stage's
+    cache holds: each is served, and the server's processes grow by the cache's bound and what
+    one grammar takes (the grammar worker keeps its last) at most, where keeping them all would
+    take over 850 MB."""
+    body = {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "a"}}
+    assert live_server.request("POST", COMP, body)[0] == 200  # the grammar worker is up
+    before = _tree_rss(live_server.proc.pid)
+    for k in range(24):  # each about 45 MB compiled
+        body = {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": f"(a{{330}}){{{300 - k}}}"}}
+        status, _, answer = live_server.request("POST", COMP, body)
+        assert status == 200 and set(json.loads(answer)["choices"][0]["text"]) <= {"a"}, answer
+    growth = _tree_rss(live_server.proc.pid) - before
+    assert growth < CACHE_BYTES + (128 << 20), growth >> 20
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants."""
+    pids, total = [pid], 0
+    while pids:
+        p = pids.pop()
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * 4096
+            pids += [int(c) for t in Path(f"/proc/{p}/task").iterdir() for c in (t / "children").read_text().split()]
+        except OSError:
+            continue
+    return total

@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's format), prepared once into a directory the engine reads like a
 Hugging Face checkpoint, with each stage dequantizing only its own layers.
 
-`prepare_gguf(path)` reads the file's metadata (never its weights) with gguf-py and writes, into
+`prepare_gguf(path)` reads the file's metadata (never its weights) and writes, into
 `<cache>/gguf/<stem>-<sha256 prefix>/`:
 - config.json and generation_config.json, from the GGUF's keys;
 - the tokenizer (tokenizer.json, tokenizer_config.json, the chat template), converted from the
@@ -12,13 +12,16 @@ Hugging Face checkpoint, with each stage dequantizing only its own layers.
 A stage then calls `read_gguf_tensors`: it memory-maps the file, dequantizes the tensors of its own
 layers with gguf-py into the engine's dtype, and caches them as one safetensors file per layer
 under `<dtype>/`, so that later starts read them directly.
+
+The file is input: its header is read by a bounded reader (gguf_header.py) and every value the
+engine takes from it is checked (gguf_check.py) before anything else parses the file or allocates
+from it. A bad file is one ConfigError naming the field and the problem.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -34,33 +37,17 @@ from safetensors.torch import save_file
 
 from ppserve.engine.model.cache_dir import cache_dir
 from ppserve.engine.model.file_hash import file_sha256
+from ppserve.engine.model.gguf_check import ARCHITECTURES, KEPT_ARRAYS, GGUFModel, check_model, engine_name
+from ppserve.engine.model.gguf_header import GGUFHeader, read_header
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.quantized import GGUF_KEPT, QuantWeight, from_gguf_blocks
 
 INFO_FILE = "gguf.json"
-PREPARED_VERSION = "v1"  # bump when what prepare_gguf or read_gguf_tensors writes changes
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+PREPARED_VERSION = "v2"  # bump when what prepare_gguf or read_gguf_tensors writes changes
 # general.file_type -> the checkpoint's dtype, which --dtype auto takes on GPUs (CPUs run float32).
 _PLAIN_TYPES = ("F32", "F16", "BF16")  # read as they are: a plain conversion
+# The tokenizer class AutoTokenizer picks for each family's model_type.
+_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
 _CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # the quantized types: bfloat16
 
 
@@ -80,7 +67,6 @@ def prepare_gguf(path: str | Path) -> Path:
     if (out / INFO_FILE).is_file():
         _point_at(out, path)  # the same bytes may have moved since
         return out
-    print(f"ppserve: preparing {path.name} (once: config, tokenizer and tensor table)", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -183,138 +169,92 @@ def _shard_of(name: str) -> str:
     return "embed" if name == "model.embed_tokens.weight" else "head"
 
 
-def _engine_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
-    return None
-
-
 def _write_prepared(path: Path, sha: str, out: Path) -> None:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf-py raises ValueError, IndexError, ... on a damaged file
-        raise ConfigError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
-    fields = {name: field for name, field in reader.fields.items()}
-
-    def get(key: str, default: Any = None) -> Any:
-        if key in fields:
-            return fields[key].contents()
-        if default is None:
-            raise ConfigError(f"{path.name}: GGUF metadata key {key!r} is missing")
-        return default
-
-    arch = get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    if "tokenizer.ggml.model" not in fields or "tokenizer.ggml.tokens" not in fields:
-        raise ConfigError(f"{path.name}: the GGUF has no tokenizer (tokenizer.ggml.model and tokens)")
-    if int(get("split.count", 1)) > 1:
-        raise ConfigError(
-            f"{path.name} is one part of a split GGUF; merge the parts first (llama.cpp's gguf-split --merge)"
-        )
-    names = {t.name for t in reader.tensors}
-    try:
-        config = _hf_config(get, arch, names, path.name)
-    except (TypeError, ValueError) as e:  # a key of the wrong type, e.g. a per-layer array
-        raise ConfigError(f"{path.name}: GGUF metadata not understood: {e}") from None
-    kinds = [k for k in _LAYER_NAMES if arch == "qwen3" or k not in ("attn_q_norm", "attn_k_norm")]
-    layers = range(config["num_hidden_layers"])
-    required = ["token_embd.weight", "output_norm.weight", *(f"blk.{i}.{k}.weight" for i in layers for k in kinds)]
-    if missing := [n for n in required if n not in names]:
-        raise ConfigError(f"{path.name} is missing tensor(s): {', '.join(missing[:5])}")
-    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    config["vocab_size"] = int(embedding.shape[-1])  # rows of the embedding (GGUF lists them last)
-    eos = [get("tokenizer.ggml.eos_token_id", -1), get("tokenizer.ggml.eot_token_id", -1)]
-    generation = {"eos_token_id": sorted({int(t) for t in eos if t >= 0})}
-    table = _tensor_table(reader, path, arch, config)
-    size = path.stat().st_size
-    for name, (_, _, offset, nbytes, _) in table.items():
-        if offset + nbytes > size:
-            raise ConfigError(f"{path.name} is truncated: tensor {name} ends past the end of the file")
-    _save_tokenizer(path, out)
+    header = read_header(path, keep=KEPT_ARRAYS)  # bounded: every count and offset checked first
+    model = check_model(header)
+    # Only now, so that a bad file's error is the one line a user sees.
+    print(f"ppserve: preparing {path.name} (once: config, tokenizer and tensor table)", file=sys.stderr, flush=True)
+    names = {t.name for t in header.tensors}
+    config = _hf_config(model, names)
+    generation = {"eos_token_id": sorted(set(model.eos_ids))}
+    table = _tensor_table(header, model)
+    del header  # its copy of the vocabulary, while transformers reads its own
+    _save_tokenizer(path, model.arch, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    info = {"sha256": sha, "architecture": arch, "tensors": table, **_source_stat(path)}
+    info = {"sha256": sha, "architecture": model.arch, "tensors": table, **_source_stat(path)}
     (out / INFO_FILE).write_text(json.dumps(info))
 
 
-def _hf_config(get: Any, arch: str, tensor_names: set[str], file: str) -> dict[str, Any]:
+def _hf_config(model: GGUFModel, tensor_names: set[str]) -> dict[str, Any]:
     """config.json for the GGUF's model, as transformers would write it."""
-    heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    head_dim = int(get(f"{arch}.attention.key_length", hidden // heads))
-    if int(get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise ConfigError(f"{file}: attention key and value lengths differ; not supported")
-    if int(get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
-        raise ConfigError(f"{file}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,  # transformers' name of the family (the same three names)
-        "hidden_size": hidden,
-        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(get(f"{arch}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(get(f"{arch}.context_length")),
-        "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
+        "architectures": [ARCHITECTURES[model.arch]],
+        "model_type": model.arch,  # transformers' name of the family (the same three names)
+        "hidden_size": model.hidden,
+        "intermediate_size": model.ffn,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "rms_norm_eps": model.rms_eps,
+        "max_position_embeddings": model.context,
+        "rope_theta": model.rope_base,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "dtype": _CHECKPOINT_DTYPES.get(int(get("general.file_type", 0)), "bfloat16"),
+        "dtype": _CHECKPOINT_DTYPES.get(model.file_type, "bfloat16"),
     }
-    scaling = get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(get(f"{arch}.rope.scaling.factor"))}
-    elif scaling != "none":
-        raise ConfigError(f"{file}: rope scaling {scaling!r} is not supported (only linear)")
+    if model.rope_linear_factor is not None:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": model.rope_linear_factor}
+    config["vocab_size"] = model.vocab  # the embedding's rows, which the check matched to the tokens
     return config
 
 
-def _tensor_table(reader: Any, path: Path, arch: str, config: dict[str, Any]) -> dict[str, list[Any]]:
+def _tensor_table(header: GGUFHeader, model: GGUFModel) -> dict[str, list[Any]]:
     """engine name -> [GGML type name, shape (torch order), byte offset, byte count, heads to unpermute (0: none)]."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
     checked: set[Any] = set()
     table: dict[str, list[Any]] = {}
-    for t in reader.tensors:
-        name = _engine_name(t.name)
-        if name is None:
-            raise ConfigError(f"{path.name}: tensor {t.name!r} is not supported (unknown to the {arch} model)")
-        if t.tensor_type not in checked:  # one block of each type, to refuse what gguf-py cannot read
-            nbytes = GGML_QUANT_SIZES[t.tensor_type][1]
+    for t in header.tensors:
+        name = engine_name(t.name)
+        assert name is not None  # check_model refused unknown tensors
+        if t.type not in checked:  # one block of each type, to refuse what gguf-py cannot read
+            nbytes = GGML_QUANT_SIZES[t.type][1]
             try:
-                dequantize(np.zeros((1, nbytes), dtype=np.uint8), t.tensor_type)
+                dequantize(np.zeros((1, nbytes), dtype=np.uint8), t.type)
             except NotImplementedError:
-                kind = t.tensor_type.name
-                raise ConfigError(f"{path.name}: tensor type {kind} (of {t.name}) is not supported") from None
-            checked.add(t.tensor_type)
+                raise ConfigError(f"{header.file}: tensor type {t.type.name} (of {t.name}) is not supported") from None
+            checked.add(t.type)
         # llama.cpp's converter interleaves the two rotary halves of each q and k head for Llama
         # (its RoPE rotates adjacent pairs); Qwen models keep transformers' layout.
         heads = 0
-        if arch == "llama" and ".attn_q." in t.name:
-            heads = config["num_attention_heads"]
-        elif arch == "llama" and ".attn_k." in t.name:
-            heads = config["num_key_value_heads"]
-        shape = [int(d) for d in reversed(t.shape.tolist())]  # GGUF lists the fastest dimension first
-        table[name] = [t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes), heads]
+        if model.arch == "llama" and ".attn_q." in t.name:
+            heads = model.heads
+        elif model.arch == "llama" and ".attn_k." in t.name:
+            heads = model.kv_heads
+        table[name] = [t.type.name, t.shape, t.offset, t.nbytes, heads]
     return table
 
 
-def _save_tokenizer(path: Path, out: Path) -> None:
-    from transformers import AutoTokenizer
+def _save_tokenizer(path: Path, arch: str, out: Path) -> None:
+    """The GGUF's vocabulary converted by transformers, into the class AutoTokenizer would pick for
+    the family. Named directly: AutoTokenizer would first parse the whole file again with gguf-py's
+    reader, which builds Python objects per array element, only to learn the family."""
+    import transformers
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise ConfigError(f"{path.name}: cannot convert the GGUF's tokenizer: {e}") from None
-    tokenizer.save_pretrained(str(out))
+        cls = getattr(transformers, _TOKENIZER_CLASSES[arch])
+        tokenizer = cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer.save_pretrained(str(out))
+    except BaseException as e:  # transformers' conversion of a vocabulary the checks let through
+        # tokenizers (Rust) reports input it cannot take as a panic, which pyo3 raises as a
+        # BaseException so that `except Exception` does not swallow it; other BaseExceptions pass.
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
+        detail = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{path.name}: cannot convert the GGUF's tokenizer: {detail}") from None
 
 
 def _dequantize(source: np.memmap, entry: list[Any], dtype: torch.dtype) -> torch.Tensor:

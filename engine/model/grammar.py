@@ -38,6 +38,7 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar as the client sends it
 MAX_CHOICES = 1024
 MAX_RULES = 500  # rules of an EBNF/Lark grammar: the compiler recurses along chains of rules
 MAX_NESTING = 100  # brackets inside brackets, in a regex or a grammar
+MAX_REPEAT = 100_000  # times counted repeats ({n}, {n,m}), nested, may repeat one thing
 CACHE_BYTES = 512 << 20  # compiled grammars kept on a last stage, by what each cost to compile
 # A compiled grammar whose cost is not known (checked in this process, not by the grammar worker)
 # counts as this much against CACHE_BYTES.
@@ -82,6 +83,7 @@ def build_grammar(kind: str, spec: Any) -> str:
         _check_size(text, "schema")
         if not isinstance(spec, (str, dict)):
             raise ValueError("a JSON schema must be an object")
+        _check_patterns(text)
         try:
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
         except ValueError as e:
@@ -91,6 +93,7 @@ def build_grammar(kind: str, spec: Any) -> str:
             raise ValueError("a regex must be a non-empty string")
         _check_size(spec, "regex")
         _check_nesting(spec, "regex")
+        _check_repeats(spec, "regex")
         return llg.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
@@ -104,6 +107,7 @@ def build_grammar(kind: str, spec: Any) -> str:
             raise ValueError("a grammar must be a non-empty string")
         _check_size(spec, "grammar")
         _check_nesting(spec, "grammar")
+        _check_repeats(spec, "grammar")
         rules = len(_RULE.findall(spec))
         if rules > MAX_RULES:
             raise ValueError(f"the grammar has {rules} rules, more than {MAX_RULES}")
@@ -121,6 +125,68 @@ def _check_size(text: str, what: str) -> None:
 
 # A rule's definition starts a line: Lark's `name:` (with ?/! prefixes and a .priority) or GBNF's `name ::=`.
 _RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.MULTILINE)
+
+
+_COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def _check_repeats(text: str, what: str) -> None:
+    """ValueError if counted repeats multiply past MAX_REPEAT: `(a{1000}){100000}` is 17
+    characters, and its lexer builds hundreds of MB before it gives up. A group's repeat times the
+    largest repeat inside it; escapes and character classes are skipped."""
+    stack = [1]  # per open group: the largest repeat inside it so far
+    closed, after_group, i = 1, False, 0
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i, after_group = i + 2, False
+            continue
+        if char == "[":  # a class: nothing in it repeats (a ']' right after '[' is literal)
+            end = text.find("]", i + 2)
+            i, after_group = (len(text) if end < 0 else end + 1), False
+            continue
+        if char == "{" and (m := _COUNTED.match(text, i)):
+            count = m.group(1) if not m.group(2) else m.group(2)
+            times = (closed if after_group else 1) * (int(count) if len(count) <= 9 else 10**9)
+            stack[-1] = max(stack[-1], times)
+            if stack[-1] > MAX_REPEAT:
+                raise ValueError(f"the {what} repeats one part {stack[-1]} times, more than {MAX_REPEAT}")
+            i, after_group = m.end(), False
+            continue
+        after_group = False
+        if char == "(":
+            stack.append(1)
+        elif char == ")" and len(stack) > 1:
+            closed, after_group = stack.pop(), True
+            stack[-1] = max(stack[-1], closed)
+        i += 1
+
+
+def _check_patterns(schema_text: str) -> None:
+    """The regexes of a JSON schema (`pattern`, `patternProperties`' names) checked as a `regex`
+    constraint's are. Invalid JSON is left to llguidance's own message."""
+    try:
+        stack: list[Any] = [json.loads(schema_text)]
+    except ValueError:
+        return
+    while stack:  # iteratively: the schema may nest deeply
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                patterns = (
+                    [value]
+                    if key == "pattern"
+                    else list(value)
+                    if isinstance(value, dict) and key == "patternProperties"
+                    else []
+                )
+                for pattern in patterns:
+                    if isinstance(pattern, str):
+                        _check_nesting(pattern, "schema's pattern")
+                        _check_repeats(pattern, "schema's pattern")
+                stack.append(value)
 
 
 def _check_nesting(text: str, what: str) -> None:

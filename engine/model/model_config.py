@@ -1,16 +1,18 @@
 """The model's shape and math, read from a Hugging Face `config.json` and checked once.
 
 Anything in the config that would change the math and that we do not implement is an error here,
-at load time, rather than silently wrong output later.
+at load time, rather than silently wrong output later. The file is input: every dimension must be a
+positive integer and every epsilon, base and factor a finite positive number (JSON parsers accept
+NaN and Infinity), so that nothing is sized or computed from a value that cannot be right.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -19,6 +21,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Far above any published model; they keep a corrupt config from sizing anything absurd.
+MAX_SIZE = 1 << 24  # a vocabulary, hidden or head size, head count, context length
+MAX_LAYERS = 1 << 12
 
 
 class ConfigError(ValueError):
@@ -82,21 +87,23 @@ class ModelConfig:
                 f"unsupported architecture {arch or '(none)'!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(raw.get(key), int) or raw[key] <= 0:
-                raise ConfigError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
+            _positive_int(raw, key)
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # the same function under two names
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
         if raw.get("quantization_config"):
             raise ConfigError("config.json: quantized checkpoints (quantization_config) are not supported")
         num_heads = raw["num_attention_heads"]
-        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        num_kv_heads = _positive_int(raw, "num_key_value_heads", num_heads)  # absent (or null): one per head
         if num_heads % num_kv_heads:
             raise ConfigError(
                 f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
             )
         # Qwen3's config class defaults head_dim to 128, the others derive it.
-        head_dim = raw.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else raw["hidden_size"] // num_heads)
+        derived = 128 if arch == "Qwen3ForCausalLM" else raw["hidden_size"] // num_heads
+        head_dim = _positive_int(raw, "head_dim", derived)
+        if head_dim < 1:
+            raise ConfigError(f"config.json: hidden_size {raw['hidden_size']} is smaller than num_attention_heads")
         rope = _parse_rope(raw, head_dim)
         num_layers = raw["num_hidden_layers"]
         bias = bool(raw.get("attention_bias", False))
@@ -112,8 +119,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 4096),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -122,7 +129,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=_parse_sliding_windows(raw, arch, num_layers),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            eos_token_ids=_parse_eos(raw, generation or {}),
+            eos_token_ids=_parse_eos(raw, generation or {}, raw["vocab_size"]),
             max_new_tokens=_parse_max_new_tokens(generation or {}),
         )
 
@@ -132,7 +139,7 @@ def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
     if raw.get("rope_parameters") and raw.get("rope_scaling") and raw["rope_parameters"] != raw["rope_scaling"]:
         raise ConfigError("config.json has both rope_parameters and rope_scaling, and they differ; keep one")
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _positive_float(params if "rope_theta" in params else raw, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
@@ -143,22 +150,26 @@ def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
         raise ConfigError(f"config.json: partial_rotary_factor {partial} is not supported (only 1.0)")
     if head_dim % 2:
         raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
-    factor = float(params.get("factor", 1.0))
-    if rope_type != "default" and not (math.isfinite(factor) and factor > 0):
-        raise ConfigError(f"config.json: rope factor must be positive, got {factor}")
+    factor = 1.0  # unused by the default type, whatever the file says
+    if rope_type != "default":
+        given = params.get("factor", 1.0)
+        if not _is_positive_number(given):
+            raise ConfigError(f"config.json: rope factor must be positive, got {_shown(given)}")
+        factor = float(given)
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in params:
                 raise ConfigError(f"config.json: llama3 rope scaling needs {key!r}")
-        if params["high_freq_factor"] <= params["low_freq_factor"]:
+        low, high = _positive_float(params, "low_freq_factor"), _positive_float(params, "high_freq_factor")
+        if high <= low:
             raise ConfigError("config.json: llama3 rope scaling needs high_freq_factor > low_freq_factor")
         return RopeConfig(
             theta=theta,
             rope_type=rope_type,
             factor=factor,
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=_positive_int(params, "original_max_position_embeddings"),
         )
     return RopeConfig(theta=theta, rope_type=rope_type, factor=factor if rope_type == "linear" else 1.0)
 
@@ -201,9 +212,45 @@ def _parse_max_new_tokens(generation: dict[str, Any]) -> int | None:
     return value
 
 
-def _parse_eos(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+def _parse_eos(raw: dict[str, Any], generation: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
     # generation_config.json is what generation uses; config.json is the fallback.
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ConfigError(f"eos_token_id {_shown(token)} is not a token id (0 to {vocab_size - 1})")
+    return tuple(ids)
+
+
+def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """raw[key], an integer in [1, its cap]; `default` where it is absent or null (None: required)."""
+    value = raw.get(key)
+    if value is None and default is not None:
+        return default
+    cap = MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= cap:
+        raise ConfigError(f"config.json: {key} must be a positive integer (at most {cap}), got {_shown(value)}")
+    return value
+
+
+def _positive_float(raw: dict[str, Any], key: str, default: float | None = None) -> float:
+    """raw[key], a finite number > 0; `default` where it is absent or null (None: required)."""
+    value = raw.get(key)
+    if value is None and default is not None:
+        return default
+    if not _is_positive_number(value):
+        raise ConfigError(f"config.json: {key} must be a finite number > 0, got {_shown(value)}")
+    return float(value)
+
+
+def _is_positive_number(value: object) -> TypeGuard[int | float]:
+    # NaN compares false, and so do infinity and an integer too large for a float.
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= sys.float_info.max
+
+
+def _shown(value: object) -> str:
+    """A value for a message: a config is input, so at most a line of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
