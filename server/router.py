@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, ServerOptions, json_errors
-from ppserve.server.client_errors import CLIENT_GONE
+from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
 from ppserve.server.connections import CONNECTIONS, ConnectionGuard, GuardedSite, connection_limits, read_body
 from ppserve.server.protocol import ApiError
 from ppserve.transport.cluster_key import route_proof
@@ -250,7 +250,9 @@ def create_router(
     """`key`: the cluster key of the servers behind (None: they run with --insecure-cluster)."""
     backends = [Backend(u.rstrip("/"), "prefill") for u in prefill]
     backends += [Backend(u.rstrip("/"), "decode") for u in decode]
-    # Clients meet the router first: it bounds their connections as a server does (its defaults).
+    # Clients meet the router first: it bounds their connections as a server does (its defaults),
+    # and logs their mistakes (junk on the port, a client gone) as the servers do.
+    quiet_client_errors()
     limits = ServerOptions()
     guard = ConnectionGuard(limits.read_timeout_s, limits.max_connections)
     app = web.Application(
