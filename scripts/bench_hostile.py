@@ -4,7 +4,8 @@ pause, what the hostile requests were answered, and how much the server's proces
     scripts/bench_hostile.py [--model PATH] [--pp-size 2] [--seconds 20]
 
 The attacks are those of issue 51's attack run: 8 concurrent prompt-scoring requests with n=12
-(echo, logprobs, max_tokens 0) on a long prompt, sent again as each returns; grammars past the
+(echo, logprobs, max_tokens 0) on a 100-token prompt, once in the phase, and beside it the 96
+single requests that are the work n=12 made before a prompt was scored once; grammars past the
 compile budget (a 2,700-rule chain, `a{1000000}`, ten distinct `(a{1000}){k}`, 300 `(a+)+`
 patternProperties); one 16 MiB body of `9e307`; and one websocket asking for 3,000 requests.
 Writes benchmarks/results/hostile.json.
@@ -33,8 +34,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_record import RESULTS, write_result  # noqa: E402
 
+Attack = Callable[[aiohttp.ClientSession, str, asyncio.Event, dict[str, Any]], Awaitable[None]]
+
 COMP = "/v1/completions"
-PROMPT = "The history of pipeline parallelism in serving large language models begins " * 24
+PROMPT = "The history of pipeline parallelism in serving large language models begins " * 8
 
 
 @contextlib.contextmanager
@@ -84,20 +87,28 @@ async def bystander(session: aiohttp.ClientSession, url: str, stop: asyncio.Even
                 if line.startswith(b"data: {"):
                     now = time.monotonic()
                     tokens, longest, last = tokens + 1, max(longest, now - last), now
+                if stop.is_set():
+                    break
     return tokens / (time.monotonic() - start), longest
 
 
-async def echo_scoring(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, out: dict[str, Any]) -> None:
-    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "n": 12}
+def scoring(n: int, requests: int) -> Attack:
+    """`requests` concurrent prompt-scoring requests with `n` choices each, once in the phase."""
 
-    async def one() -> None:
-        while not stop.is_set():
+    async def attack(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, out: dict[str, Any]) -> None:
+        body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "n": n}
+        t = time.monotonic()
+
+        async def one() -> int:
             async with session.post(url + COMP, json=body) as resp:
-                out.setdefault(str(resp.status), 0)
-                out[str(resp.status)] += 1
                 await resp.read()
+                return resp.status
 
-    await asyncio.gather(*(one() for _ in range(8)))
+        statuses = await asyncio.gather(*(one() for _ in range(requests)))
+        out.update(ok=statuses.count(200), answered_in_s=round(time.monotonic() - t, 2))
+        await stop.wait()
+
+    return attack
 
 
 async def grammars(session: aiohttp.ClientSession, url: str, stop: asyncio.Event, out: dict[str, Any]) -> None:
@@ -140,9 +151,9 @@ async def websocket(session: aiohttp.ClientSession, url: str, stop: asyncio.Even
         out.update(events=counts)
 
 
-Attack = Callable[[aiohttp.ClientSession, str, asyncio.Event, dict[str, Any]], Awaitable[None]]
 ATTACKS: dict[str, Attack] = {
-    "echo_n12_x8": echo_scoring,
+    "echo_n12_x8": scoring(12, 8),
+    "echo_n1_x96": scoring(1, 96),
     "grammars": grammars,
     "body_16mib_9e307": big_body,
     "websocket_3000": websocket,
@@ -177,7 +188,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the demo model")
     p.add_argument("--pp-size", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
+    p.add_argument("--seconds", type=float, default=30.0, help="each phase's length")
     args = p.parse_args()
     with served(args) as (url, pid):
         report = asyncio.run(run(args, url, pid))
