@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from live_server import LiveServer
 from procs import read
+from stand_in_engine import StandInEngine
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.chat_template import RenderBudget
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.engine.outputs import RequestOutput
-from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server import protocol
 from ppserve.server.app import STATE, ServerOptions, create_app
 from ppserve.server.protocol import CompletionRequest, decode, decode_async, peek_id
@@ -138,35 +137,11 @@ async def test_a_16_mib_body_of_huge_exponents_leaves_streams_and_health_alone(l
     assert max(health_waits) <= MAX_TOKEN_GAP_S, f"/health took {max(health_waits):.1f} s"
 
 
-class _Engine:
-    """Stands in for AsyncEngine: records each request's prompt ids, answers one token."""
-
-    healthy, recovering, unavailable, error, stage_nodes = True, False, None, None, ()
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.prompts: list[list[int]] = []
-
-    def check_request(self, ids: list[int], params: SamplingParams, *_: Any) -> None:
-        self.prompts.append(list(ids))
-
-    async def generate(
-        self, ids: list[int], params: SamplingParams, request_id: str, **_: Any
-    ) -> AsyncGenerator[RequestOutput, None]:
-        yield RequestOutput(request_id, "ok", [5], True, "length", len(ids), 1)
-
-    async def drain(self, timeout: float) -> bool:
-        return True
-
-    async def close(self) -> None:
-        self.tokenizer.close()  # as AsyncEngine.close does: a render in progress ends now
-
-
 @pytest.fixture
 async def client(llama_dir: Path) -> AsyncIterator[TestClient[Any, Any]]:
     app = create_app(EngineConfig.create(llama_dir, num_kv_blocks=8), ServerOptions())
     app.cleanup_ctx.clear()  # no stages: the stand-in is the engine
-    app[STATE].engine = _Engine(Tokenizer(llama_dir))  # type: ignore[assignment]
+    app[STATE].engine = StandInEngine(Tokenizer(llama_dir))  # type: ignore[assignment]
     async with TestClient(TestServer(app)) as c:
         yield c
     app[STATE].engine.tokenizer.close()  # type: ignore[union-attr]
@@ -191,7 +166,7 @@ def _cpu_ticks(pid: int) -> int:
 async def test_a_runaway_chat_template_fails_alone(client: TestClient[Any, Any]) -> None:
     """A template that runs away is a 500 that blames the template, within its budget, while
     other requests are served; the model's own template then renders as transformers does."""
-    engine: _Engine = client.app[STATE].engine
+    engine: StandInEngine = client.app[STATE].engine
     tok = engine.tokenizer
     own = tok.hf.chat_template
     tok.template_budget = RenderBudget(seconds=2.0)

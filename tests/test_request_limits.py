@@ -6,17 +6,17 @@ reaches it: no stage processes."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from stand_in_engine import StandInEngine
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.engine.outputs import RequestOutput
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.app import STATE, ServerOptions, create_app
 from ppserve.server.cli import build_parser, main
@@ -29,41 +29,17 @@ COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 USER = {"role": "user", "content": "hi"}
 
 
-class _Engine:
-    """Stands in for AsyncEngine: records the params of each request, answers one token."""
-
-    healthy, recovering = True, False
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.params: list[SamplingParams] = []
-
-    def check_request(self, ids: list[int], params: SamplingParams, *_: Any) -> None:
-        self.params.append(params)
-
-    async def generate(
-        self, ids: list[int], params: SamplingParams, request_id: str, **_: Any
-    ) -> AsyncGenerator[RequestOutput, None]:
-        yield RequestOutput(request_id, "ok", [5], True, "length", len(ids), 1)
-
-    async def drain(self, timeout: float) -> bool:
-        return True
-
-    async def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 async def client(llama_dir: Path) -> AsyncIterator[TestClient[Any, Any]]:
     app = create_app(EngineConfig.create(llama_dir, num_kv_blocks=8), ServerOptions(limits=LIMITS))
     app.cleanup_ctx.clear()  # no stages: the stand-in is the engine
-    app[STATE].engine = _Engine(Tokenizer(llama_dir))  # type: ignore[assignment]
+    app[STATE].engine = StandInEngine(Tokenizer(llama_dir))  # type: ignore[assignment]
     async with TestClient(TestServer(app)) as c:
         yield c
 
 
-def _engine(client: TestClient[Any, Any]) -> _Engine:
-    engine: _Engine = client.app[STATE].engine
+def _engine(client: TestClient[Any, Any]) -> StandInEngine:
+    engine: StandInEngine = client.app[STATE].engine
     return engine
 
 
@@ -117,7 +93,7 @@ async def test_a_million_stop_strings_are_refused(llama_dir: Path) -> None:
     """With the default limits: the request that took 37 s is a 400 (and reaches nothing)."""
     app = create_app(EngineConfig.create(llama_dir, num_kv_blocks=8))
     app.cleanup_ctx.clear()
-    app[STATE].engine = engine = _Engine(Tokenizer(llama_dir))  # type: ignore[assignment]
+    app[STATE].engine = engine = StandInEngine(Tokenizer(llama_dir))  # type: ignore[assignment]
     async with TestClient(TestServer(app)) as client:
         status, body = await _post(client, COMP, {"prompt": "x", "stop": ["a"] * 1_000_000})
         assert status == 400 and body["error"]["param"] == "stop"

@@ -55,6 +55,9 @@ _POLL_S = 0.02
 class Verdict(msgspec.Struct, array_like=True):
     error: str = ""  # empty: the grammar compiled
     cost: int = 0  # bytes the compiled grammar and its first mask took
+    # Whether the verdict is the grammar's own, to remember: not where the wall clock ran out (a
+    # busy machine) or the checker was closing.
+    lasting: bool = True
 
 
 class GrammarChecker:
@@ -65,6 +68,7 @@ class GrammarChecker:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
+        self._closed = False
         self.compiles = 0  # grammars the worker compiled (not known before)
 
     async def check(self, grammar: str) -> int:
@@ -75,7 +79,8 @@ class GrammarChecker:
         if verdict is None:
             async with self._lock:  # one compile at a time: the worker has one thread for them
                 verdict = self._known(key) or await self._compile(grammar)
-                self._verdicts[key] = verdict
+                if verdict.lasting and not self._closed:
+                    self._verdicts[key] = verdict
                 while len(self._verdicts) > VERDICTS:
                     self._verdicts.popitem(last=False)
         if verdict.error:
@@ -105,7 +110,9 @@ class GrammarChecker:
                 if _rss(proc.pid) - rss0 > COMPILE_BYTES:
                     return self._kill(f"the grammar needs more than {COMPILE_BYTES >> 20} MiB to compile (the limit)")
                 if time.monotonic() - start > CHECK_TIMEOUT_S:
-                    return self._kill(f"the grammar took longer than {CHECK_TIMEOUT_S:g} s to compile (the limit)")
+                    verdict = self._kill(f"the grammar took longer than {CHECK_TIMEOUT_S:g} s to compile (the limit)")
+                    verdict.lasting = False
+                    return verdict
             frame = reply.result()
         finally:
             reply.cancel()
@@ -126,6 +133,8 @@ class GrammarChecker:
     async def _worker(self) -> asyncio.subprocess.Process:
         if self._proc is not None and self._proc.returncode is None:
             return self._proc
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
         proc = await asyncio.create_subprocess_exec(
             *self._argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True
         )
@@ -143,6 +152,7 @@ class GrammarChecker:
         return proc
 
     async def close(self) -> None:
+        self._closed = True
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
