@@ -117,7 +117,7 @@ class AsyncEngine:
         self._closed = False
         self._per_client: Counter[Hashable] = Counter()  # requests each client holds (`generate`)
         # Checks SamplingParams.grammar in a worker process (started at the first grammar).
-        self.grammars = GrammarChecker(config.model, config.model_config.vocab_size)
+        self.grammars = GrammarChecker(self.tokenizer.hf, config.model_config.vocab_size)
 
     # ---- lifetime -------------------------------------------------------------------------
 

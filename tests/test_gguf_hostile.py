@@ -414,10 +414,16 @@ def test_config_json_from_disk_with_nan(tmp_path: Path) -> None:
         ModelConfig.from_dir(tmp_path)
 
 
-@pytest.mark.parametrize("eos", [512, -1, "2", [2, 10**6], 1.5])
+@pytest.mark.parametrize("eos", [-1, "2", [2, -5], 1.5, True])
 def test_config_json_eos_must_be_a_token(eos: object) -> None:
     with pytest.raises(ConfigError, match=r"eos_token_id .* is not a token id"):
         ModelConfig.from_dict(BASE, {"eos_token_id": eos})
+
+
+def test_config_json_eos_past_the_vocabulary_is_dropped() -> None:
+    """It can never be sampled, so it ends nothing (Llama 3 writes lists of ids)."""
+    assert ModelConfig.from_dict(BASE, {"eos_token_id": [2, 10**6]}).eos_token_ids == (2,)
+    assert ModelConfig.from_dict(BASE, {"eos_token_id": 512}).eos_token_ids == ()
 
 
 def test_config_json_still_takes_what_it_took() -> None:

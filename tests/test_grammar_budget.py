@@ -31,15 +31,17 @@ COMP = "/v1/completions"
 # in another process, bounded by its budget, and never on the host's event loop or a stage.
 STALL_BOUND_S = 2.0
 
-# A stand-in for the worker: answers "ready", then per grammar crashes, grows, spins or passes.
+# A stand-in for the worker: reads the tokenizer, answers "ready", then per grammar crashes, grows,
+# spins or passes.
 FAKE_WORKER = r"""
-import os, struct, sys, msgspec
-from ppserve.engine.model.grammar_check import Verdict, _frame
+import os, sys, msgspec
+from ppserve.engine.model.grammar_check import Verdict, _frame, _read
 out, inp = sys.stdout.buffer, sys.stdin.buffer
+assert _read(inp)
 out.write(_frame(b"ready")); out.flush()
 held = []
-while header := inp.read(4):
-    grammar = inp.read(struct.unpack("<I", header)[0]).decode()
+while (frame := _read(inp)) is not None:
+    grammar = frame.decode()
     if grammar == "crash":
         os.abort()
     if grammar == "grow":
@@ -58,10 +60,10 @@ def chain(rules: int) -> str:
 
 
 @pytest.fixture
-def fake_checker(monkeypatch: pytest.MonkeyPatch) -> GrammarChecker:
+def fake_checker(monkeypatch: pytest.MonkeyPatch, llama_dir: Path) -> GrammarChecker:
     monkeypatch.setattr(grammar_check, "COMPILE_BYTES", 64 << 20)
     monkeypatch.setattr(grammar_check, "COMPILE_CPU_S", 0.5)
-    checker = GrammarChecker("unused", 1)
+    checker = GrammarChecker(Tokenizer(llama_dir).hf, 1)
     checker._argv = [sys.executable, "-c", FAKE_WORKER]
     return checker
 
@@ -104,7 +106,7 @@ async def test_a_real_worker_refuses_what_gives_up_and_keeps_what_fits(llama_dir
     """A schema whose first mask fails is refused up front (budgets are run out by the stand-in
     worker above). A chain of rules as long as the limit allows compiles on the worker's stack."""
     tok = Tokenizer(llama_dir)
-    checker = GrammarChecker(llama_dir, len(tok.hf))
+    checker = GrammarChecker(tok.hf, len(tok.hf))
     try:
         with pytest.raises(ValueError, match="NoExtensionBias"):
             await checker.check(build_grammar("json", {"$ref": "#"}))

@@ -112,7 +112,7 @@ def setting(llama_dir: Path) -> Any:
     tok = Tokenizer(llama_dir)
     vocab = len(tok.hf)
     loop = asyncio.new_event_loop()
-    checker = GrammarChecker(llama_dir, vocab)
+    checker = GrammarChecker(tok.hf, vocab)
     yield tok, vocab, Grammars(tok.hf, vocab), checker, loop
     loop.run_until_complete(checker.close())
     loop.close()
@@ -131,7 +131,7 @@ def _valid(kind: str, spec: Any, text: str) -> bool:
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(constraint=CONSTRAINTS, seed=st.integers(0, 2**31 - 1))
 def test_every_grammar_is_refused_kept_or_fails_visibly(setting: Any, constraint: tuple[str, Any], seed: int) -> None:
     tok, vocab, grammars, checker, loop = setting

@@ -21,6 +21,7 @@ own, under a budget of CPU time, memory and stack, and measured what it costs to
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -29,9 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
-import torch
+import numpy as np
 
 if TYPE_CHECKING:
+    import torch
     from llguidance._lib import JsonCompileOptions
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar as the client sends it
@@ -211,9 +213,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = CACHE_BYTES) -> None:
         """`tokenizer`: a transformers fast tokenizer; `vocab_size`: the model's logits width
         (the masks' width), which may exceed the tokenizer's."""
-        from llguidance.hf import from_tokenizer
-
-        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, slices=SLICES)
+        self.tokenizer = llg_tokenizer(*tokenizer_json(tokenizer), vocab_size)
         self.vocab_size = vocab_size
         self.eos_token_id = self.tokenizer.eos_token
         self._limits = llg.LLParserLimits(**_LIMITS)
@@ -258,6 +258,8 @@ class Grammars:
     def masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
         """Each matcher's next-token bitmask: [len(matchers), words] int32, bit t of row i set
         when matcher i allows token t."""
+        import torch  # here: the grammar worker (engine/model/grammar_check.py) checks without torch
+
         out = torch.empty(len(matchers), self.words, dtype=torch.int32)
         for i, m in enumerate(matchers):  # llguidance drops the GIL while it computes a mask
             m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
@@ -294,6 +296,39 @@ class Grammars:
         return compiled
 
 
+def tokenizer_json(hf_tokenizer: Any) -> tuple[str, int | None]:
+    """A transformers fast tokenizer as llguidance reads it (its Rust tokenizer's JSON, padding and
+    truncation off, as `llguidance.hf.from_tokenizer` serializes it) and its EOS id: what the
+    grammar worker builds the same LLTokenizer from, without transformers."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str(), hf_tokenizer.eos_token_id
+
+
+def llg_tokenizer(text: str, eos: int | None, vocab_size: int) -> llg.LLTokenizer:
+    return llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos, slices=SLICES)
+
+
+def check_compiles(tokenizer: llg.LLTokenizer, grammar: str) -> llg.LLMatcher:
+    """What `Grammars.check` checks, without torch or a cache (the grammar worker's check):
+    ValueError unless `grammar` compiles and two copies' first masks can be computed. Returns
+    the compiled grammar, whose memory (with its masks' lexer states) is what a stage keeps."""
+    try:
+        template = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=llg.LLParserLimits(**_LIMITS))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid grammar: {e}") from None
+    if template.is_error():
+        raise ValueError(first_line(template.get_error()))
+    mask = np.empty((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(2):
+        matcher = template.deep_copy()
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            raise ValueError(first_line(matcher.get_error()))
+    return template
+
+
 def first_line(error: str) -> str:
-    """llguidance's error without the parser's state dump that follows its first line."""
-    return error.strip().split("\n", 1)[0][:500]
+    """llguidance's error on one line, without the parser's state dump (`<state>` and what follows)."""
+    return " ".join(error.split("<state>", 1)[0].split())[:500]

@@ -5,9 +5,10 @@ A grammar comes from a client, and compiling one is work that the client chooses
 compiler recurses along chains of rules (a 2,700-rule chain overflowed an 8 MiB thread stack and
 killed the process), and some regexes build hundreds of MB of lexer before their first mask. So
 the host never compiles: it sends each new grammar to a worker process (`python -m
-ppserve.engine.model.grammar_check MODEL VOCAB`) that compiles it and computes its first mask on
-a thread with a known stack (CHECK_STACK_BYTES), then says whether it passed and what its
-compiled form costs in memory. The host watches the worker while it compiles and kills it when a
+ppserve.engine.model.grammar_check VOCAB`; the model's tokenizer is its first message, so it
+imports neither torch nor transformers) that compiles it and computes its first masks on a thread
+with a known stack (CHECK_STACK_BYTES), then says whether it passed and what its compiled form
+costs in memory. The host watches the worker while it compiles and kills it when a
 budget runs out: CPU time (COMPILE_CPU_S), wall time (CHECK_TIMEOUT_S), memory (COMPILE_BYTES). A
 worker that dies (stack overflow, abort) is started again for the next check.
 
@@ -34,6 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -63,8 +65,10 @@ class Verdict(msgspec.Struct, array_like=True):
 class GrammarChecker:
     """Checks grammars for one model in a worker process, one at a time (see the module's doc)."""
 
-    def __init__(self, model: str | Path, vocab_size: int) -> None:
-        self._argv = [sys.executable, "-m", __name__, str(model), str(vocab_size)]
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        """`tokenizer`: the model's transformers fast tokenizer; `vocab_size`: its logits' width."""
+        self._argv = [sys.executable, "-m", __name__, str(vocab_size)]
+        self._tokenizer = tokenizer
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
@@ -138,7 +142,10 @@ class GrammarChecker:
         proc = await asyncio.create_subprocess_exec(
             *self._argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True
         )
-        assert proc.stdout is not None
+        assert proc.stdin is not None and proc.stdout is not None
+        from ppserve.engine.model.grammar import tokenizer_json
+
+        proc.stdin.write(_frame(msgspec.msgpack.encode(tokenizer_json(self._tokenizer))))
         try:
             ready = await asyncio.wait_for(_read_frame(proc.stdout), START_TIMEOUT_S)
         except TimeoutError:
@@ -193,28 +200,29 @@ def _rss(pid: int | str = "self") -> int:
 # ---- the worker process ---------------------------------------------------------------------
 
 
-def _worker_main(model: str, vocab_size: int) -> None:
-    from ppserve.engine.model.grammar import Grammars
+def _worker_main(vocab_size: int) -> None:
+    from ppserve.engine.model.grammar import check_compiles, llg_tokenizer
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the host
     os.nice(WORKER_NICE)
-    grammars = Grammars.for_model(model, vocab_size, cache_bytes=0)
-    trim = _malloc_trim()
     out, inp = sys.stdout.buffer, sys.stdin.buffer
+    text, eos = msgspec.msgpack.decode(_read(inp) or b"", type=tuple[str, int | None])
+    tokenizer = llg_tokenizer(text, eos, vocab_size)
+    trim = _malloc_trim()
     out.write(_frame(b"ready"))
     out.flush()
-    while header := inp.read(4):
-        (size,) = struct.unpack("<I", header)
-        grammar = inp.read(size).decode()
+    while (frame := _read(inp)) is not None:
+        grammar = frame.decode()
         verdict: list[Verdict] = []
 
         def compile_one(grammar: str = grammar, verdict: list[Verdict] = verdict) -> None:
             trim()  # what earlier compiles freed goes back, so that the growth is this grammar's
             before = _rss()
             try:
-                grammars.check(grammar)  # compiles, and computes the first masks
-                verdict.append(Verdict(cost=max(_rss() - before, 1)))
+                compiled = check_compiles(tokenizer, grammar)  # compiles, and computes the first masks
+                verdict.append(Verdict(cost=max(_rss() - before, 1)))  # while it is alive
+                del compiled
             except ValueError as e:
                 verdict.append(Verdict(str(e)))
 
@@ -223,6 +231,15 @@ def _worker_main(model: str, vocab_size: int) -> None:
         thread.join()
         out.write(_frame(msgspec.msgpack.encode(verdict[0])))
         out.flush()
+
+
+def _read(inp: Any) -> bytes | None:
+    """One frame from the host, or None at the end of its pipe (the host is gone)."""
+    header = inp.read(4)
+    if len(header) < 4:
+        return None
+    (size,) = struct.unpack("<I", header)
+    return bytes(inp.read(size))
 
 
 def _malloc_trim() -> Callable[[], object]:
@@ -235,4 +252,4 @@ def _malloc_trim() -> Callable[[], object]:
 
 if __name__ == "__main__":
     threading.stack_size(CHECK_STACK_BYTES)
-    _worker_main(sys.argv[1], int(sys.argv[2]))
+    _worker_main(int(sys.argv[1]))

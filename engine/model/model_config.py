@@ -219,9 +219,11 @@ def _parse_eos(raw: dict[str, Any], generation: dict[str, Any], vocab_size: int)
         return ()
     ids = eos if isinstance(eos, list) else [eos]
     for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ConfigError(f"eos_token_id {_shown(token)} is not a token id (0 to {vocab_size - 1})")
-    return tuple(ids)
+    # An id past the vocabulary can never be sampled: it ends nothing, and is dropped (lists of
+    # ids, as Llama 3 writes them, may name ids that a smaller vocabulary lacks).
+    return tuple(t for t in ids if t < vocab_size)
 
 
 def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
