@@ -22,19 +22,19 @@ import atexit
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, Hashable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import zmq
 
+from ppserve.engine.client_share import ClientShares
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.decode import DecodeRooms
 from ppserve.engine.disagg.prefill import PrefillRooms
 from ppserve.engine.model.grammar_check import GrammarChecker
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from ppserve.engine.outputs import RequestOutput, TokenLogprob, prompt_logprobs
+from ppserve.engine.outputs import EngineStats, RequestOutput, TokenLogprob, prompt_logprobs
 from ppserve.engine.runtime.core import EngineCore, Outputs
 from ppserve.engine.runtime.executors import StagePoolExecutor
 from ppserve.engine.runtime.ray_stages import NoRoomError, make_pool
@@ -54,34 +54,8 @@ class EngineDeadError(RuntimeError):
     the engine was closed."""
 
 
-class ClientLimitError(RuntimeError):
-    """The client holds as many running and waiting requests as it may (`max_requests_per_client`)."""
-
-
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (`max_waiting_requests`); try again later."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics and health pages."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    stage_busy: tuple[float, ...]  # per stage: fraction of the recent window spent computing
-    prefill_chunks: dict[int, int]  # prefill chunk size -> how many were scheduled (since start)
-    latency_model: tuple[float, float, float] | None  # (a, b, c) of the bottleneck stage, if fitted
-    preemptions: int  # requests preempted (KV given up, recomputed later) since start
-    stage_restarts: tuple[int, ...]  # per stage: times its process was replaced
-    recovering: bool  # a failed stage is being replaced; requests wait
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (since start)
-    prefix_cache_hits: int  # ... found there, not computed
-    prefix_cache_blocks: int  # KV blocks holding a findable prefix now (in use or kept for reuse)
-    prefix_cache_evictions: int  # cached blocks given to new contents (since start)
-    stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
-    stage_nodes: tuple[tuple[str, str], ...] = ()  # under Ray, per stage: its node's Ray id and address
 
 
 @dataclass
@@ -115,7 +89,7 @@ class AsyncEngine:
         self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
-        self._per_client: Counter[Hashable] = Counter()  # requests each client holds (`generate`)
+        self._shares = ClientShares(config.max_requests_per_client)  # requests each client holds
         # Checks SamplingParams.grammar in a worker process (started at the first grammar).
         self.grammars = GrammarChecker(self.tokenizer.hf, config.model_config.vocab_size)
 
@@ -246,7 +220,7 @@ class AsyncEngine:
         else:
             ids = list(prompt)
         self._check_admission()
-        self._check_client(client)
+        self._shares.check(client)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -257,8 +231,7 @@ class AsyncEngine:
         if prefill is None:
             self.scheduler.add(request)
         self._streams[rid] = stream
-        if client is not None:
-            self._per_client[client] += 1
+        self._shares.take(client)
         self.wake()
         try:
             if prefill is not None:
@@ -273,10 +246,7 @@ class AsyncEngine:
         finally:
             # Closed early or cancelled: end the request and give its KV blocks back.
             self._streams.pop(rid, None)
-            if client is not None:
-                self._per_client[client] -= 1
-                if not self._per_client[client]:
-                    del self._per_client[client]
+            self._shares.give(client)
             if not request.finished:
                 self.abort(rid)
 
@@ -324,15 +294,7 @@ class AsyncEngine:
         request)."""
         self._request("check", list(token_ids), params or SamplingParams(), cache_salt)
         self._check_admission(pending)
-        self._check_client(client, pending)
-
-    def _check_client(self, client: Hashable | None, pending: int = 0) -> None:
-        limit = self.config.max_requests_per_client
-        if client is not None and (held := self._per_client[client]) + pending >= limit:
-            raise ClientLimitError(
-                f"this client has {held + pending} requests running or waiting, the most one client may "
-                f"(max_requests_per_client {limit})"
-            )
+        self._shares.check(client, pending)
 
     def _check_admission(self, pending: int = 0) -> None:
         if not self.healthy:

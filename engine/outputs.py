@@ -41,3 +41,25 @@ def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore
     out: list[TokenLogprob | None] = [None]
     out += [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(prompt_token_ids[1:], scores, strict=True)]
     return out
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and health pages."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    stage_busy: tuple[float, ...]  # per stage: fraction of the recent window spent computing
+    prefill_chunks: dict[int, int]  # prefill chunk size -> how many were scheduled (since start)
+    latency_model: tuple[float, float, float] | None  # (a, b, c) of the bottleneck stage, if fitted
+    preemptions: int  # requests preempted (KV given up, recomputed later) since start
+    stage_restarts: tuple[int, ...]  # per stage: times its process was replaced
+    recovering: bool  # a failed stage is being replaced; requests wait
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (since start)
+    prefix_cache_hits: int  # ... found there, not computed
+    prefix_cache_blocks: int  # KV blocks holding a findable prefix now (in use or kept for reuse)
+    prefix_cache_evictions: int  # cached blocks given to new contents (since start)
+    stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
+    stage_nodes: tuple[tuple[str, str], ...] = ()  # under Ray, per stage: its node's Ray id and address

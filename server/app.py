@@ -24,13 +24,8 @@ from typing import Literal
 
 from aiohttp import web
 
-from ppserve.engine.async_engine import (
-    AsyncEngine,
-    ClientLimitError,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStats,
-)
+from ppserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStats
+from ppserve.engine.client_share import ClientLimitError
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.outputs import RequestOutput
 from ppserve.scheduler.sampling_params import SamplingParams

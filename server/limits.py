@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from ppserve.server.protocol import ApiError, ChatMessage, _Sampling, decode_async
+from ppserve.server.json_body import decode_async
+from ppserve.server.protocol import ApiError, ChatMessage, _Sampling
 
 T = TypeVar("T")
 

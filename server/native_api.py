@@ -39,6 +39,7 @@ from aiohttp import WSMsgType, web
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server import tokens
 from ppserve.server.app import STATE, TENANT, ServerState, client_key, client_of
+from ppserve.server.json_body import decode_ws_async, peek_id
 from ppserve.server.limits import check_limits, decode_request
 from ppserve.server.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -48,8 +49,6 @@ from ppserve.server.protocol import (
     WsCancel,
     WsChat,
     clip_message,
-    decode_ws_async,
-    peek_id,
 )
 from ppserve.server.security import bearer_token
 from ppserve.server.streams import Collected, Stream, collect, merge, sse_response

@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ppserve.engine.async_engine import ClientLimitError, EngineDeadError, EngineOverloadedError
+from ppserve.engine.async_engine import EngineDeadError, EngineOverloadedError
+from ppserve.engine.client_share import ClientLimitError
 from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.runtime.stage_pool import StageError

@@ -17,6 +17,7 @@ from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from ppserve.server.app import ServerOptions, ServerState
 from ppserve.server.cli import build_parser
 from ppserve.server.cli_clients import _read_key_file
+from ppserve.server.json_body import decode, decode_ws
 from ppserve.server.protocol import (
     ApiError,
     ChatRequest,
@@ -24,8 +25,6 @@ from ppserve.server.protocol import (
     GenerateRequest,
     WsChat,
     WsGenerate,
-    decode,
-    decode_ws,
 )
 from ppserve.server.tenants import ANONYMOUS, Tenants
 from ppserve.transport import messages

@@ -23,9 +23,10 @@ from stand_in_engine import StandInEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.chat_template import RenderBudget
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.server import protocol
+from ppserve.server import json_body
 from ppserve.server.app import STATE, ServerOptions, create_app
-from ppserve.server.protocol import CompletionRequest, decode, decode_async, peek_id
+from ppserve.server.json_body import decode, decode_async, peek_id
+from ppserve.server.protocol import CompletionRequest
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = {"role": "user", "content": "hi"}
@@ -45,7 +46,7 @@ def test_floats_decode_exactly_as_msgspec_does() -> None:
     literals = ["1.5", "-0.0", "1e23", "9e307", "-9e307", "5e-324", "1.7976931348623157e308", "2.2250738585072014e-308"]
     raw = f'{{"prompt": "x", "temperature": 0.7, "junk": [{", ".join(literals)}]}}'
     assert decode(raw, CompletionRequest).temperature == 0.7
-    values = protocol._DECODER.decode(raw)["junk"]
+    values = json_body._DECODER.decode(raw)["junk"]
     assert values == msgspec.json.decode(raw)["junk"]
     assert [str(v) for v in values] == [str(float(s)) for s in literals]  # -0.0 too
 
@@ -57,8 +58,8 @@ async def test_large_bodies_decode_off_the_loop(monkeypatch: pytest.MonkeyPatch)
         threads.append(threading.get_ident())
         return decode(body, type_)
 
-    monkeypatch.setattr(protocol, "decode", spy)
-    small, large = _exponents_body(protocol.INLINE_BODY_BYTES), _exponents_body(protocol.INLINE_BODY_BYTES + 6)
+    monkeypatch.setattr(json_body, "decode", spy)
+    small, large = _exponents_body(json_body.INLINE_BODY_BYTES), _exponents_body(json_body.INLINE_BODY_BYTES + 6)
     assert (await decode_async(small, CompletionRequest)).prompt == "hi"
     assert (await decode_async(large, CompletionRequest)).prompt == "hi"
     assert threads[0] == threading.get_ident() != threads[1]

@@ -6,8 +6,7 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ppserve.engine.async_engine import EngineStats
-from ppserve.engine.outputs import RequestOutput
+from ppserve.engine.outputs import EngineStats, RequestOutput
 from ppserve.server.metrics import ServerMetrics
 
 

@@ -16,8 +16,9 @@ from ppserve.scheduler.sampling_fields import FieldSpec
 from ppserve.scheduler.sampling_params import BY_NAME, FIELDS, HOST_ONLY, OWN_FORM, SamplingParams
 from ppserve.server.cli import build_parser
 from ppserve.server.cli_sampling import NOT_FLAGS, sampling_params
+from ppserve.server.json_body import decode
 from ppserve.server.openapi import openapi_schema
-from ppserve.server.protocol import ChatRequest, CompletionRequest, NativeSampling, decode
+from ppserve.server.protocol import ChatRequest, CompletionRequest, NativeSampling
 from ppserve.transport.messages import WireSamplingParams
 
 # Every field set to a value other than its default (and within its range).
