@@ -27,6 +27,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from gguf_tiny import TOKENS, Tiny, metadata, patch, read_u64, slots, tensors, write_tiny
+from test_errors import BASE  # a valid config.json of the tiny llama
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import gguf_check
@@ -366,15 +367,6 @@ def test_valid_files_load_as_gguf_py_reads_them(tmp_path: Path, spec: Tiny) -> N
 
 # --- config.json checkpoints -------------------------------------------------------------------
 
-BASE = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 DIMENSIONS = [
     "hidden_size",
     "num_attention_heads",
