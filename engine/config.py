@@ -17,11 +17,12 @@ from ppserve.engine.disagg.faults import DisaggFaults
 from ppserve.engine.environment import READERS
 from ppserve.engine.environment import read as read_environment
 from ppserve.engine.model.gguf_checkpoint import is_gguf_file, prepare_gguf
-from ppserve.engine.model.kv_cache import kv_bytes_per_block
+from ppserve.engine.model.kv_cache import kv_bytes_per_block, kv_pools, kv_window
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.partition import partition_layers
 from ppserve.engine.model.quantized import QUANTIZATIONS
 from ppserve.scheduler.scheduler import SchedulerConfig
+from ppserve.scheduler.window_kv import blocks_per_request
 from ppserve.transport.tensor_channel import resolve_kind
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +31,7 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp1
 # them from here, so that a default is declared once (tests/test_config_chain.py checks every layer).
 _SCHEDULER = SchedulerConfig(num_blocks=1, block_size=1, pp_size=1)
 # Fields that create() works out from the checkpoint and its other inputs; never given directly.
-DERIVED = frozenset({"model", "model_config", "layer_ranges", "edge_transports", "stage_gpus"})
+DERIVED = frozenset({"model", "model_config", "layer_ranges", "edge_transports", "stage_gpus", "kv_window"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class EngineConfig:
     pp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda"
     block_size: int = 16
+    # Sliding-window layers keep only the blocks of their window, from a pool of their own
+    # (engine/model/kv_cache.py): that group's window, from the model (None: no such group), and its
+    # blocks (0: sized with num_kv_blocks from kv_cache_gb, or as many as num_kv_blocks where given).
+    kv_window: int | None = _SCHEDULER.kv_window
+    num_window_blocks: int = _SCHEDULER.num_window_blocks
     # Weight-only quantized linears (engine/model/quantized.py): "auto" keeps a GGUF's Q8_0, Q4_0 and
     # Q4_1 weights so; "none" runs every weight in `dtype`; "int8" quantizes every linear to int8.
     quantization: str = "auto"
@@ -145,18 +151,33 @@ class EngineConfig:
                 f"max_model_len must be in [1, {model_config.max_position_embeddings}] "
                 f"(the model's max_position_embeddings), got {max_model_len}"
             )
-        num_kv_blocks = s.get("num_kv_blocks")
+        num_kv_blocks, budget = s.get("num_kv_blocks"), 0
         if num_kv_blocks is None:
             if not math.isfinite(kv_cache_gb) or kv_cache_gb <= 0:
                 raise ConfigError(f"kv_cache_gb must be a positive number, got {kv_cache_gb}")
-            # Sized by the stage with the most layers, so no stage uses more than kv_cache_gb.
-            per_block = kv_bytes_per_block(model_config, max(len(r) for r in ranges), block_size, DTYPES[s["dtype"]])
-            num_kv_blocks = int(kv_cache_gb * 2**30) // per_block
-        if num_kv_blocks < 1:
-            raise ConfigError(f"the KV cache must hold at least one block, got {num_kv_blocks}")
-        s["num_kv_blocks"] = num_kv_blocks
+            budget = int(kv_cache_gb * 2**30)
+        if s["num_window_blocks"] < 0:
+            raise ConfigError(f"num_window_blocks must be >= 0, got {s['num_window_blocks']}")
+        s["kv_window"] = window = kv_window(model_config.sliding_windows, max_model_len)
+        if window is not None and s["disaggregation"]:
+            raise ConfigError(
+                "prefill/decode disaggregation does not transfer the KV of sliding-window layers, which this "
+                f"model has (window {window})"
+            )
+        # Sized by the stage that needs most, so no stage uses more than kv_cache_gb.
+        num_kv_blocks, num_window_blocks = kv_pools(
+            model_config, ranges, window, kv_bytes_per_block(model_config, 1, block_size, DTYPES[s["dtype"]]),
+            budget, num_kv_blocks, s["num_window_blocks"] or None, s["max_running_requests"], max_model_len,
+            s["chunked_prefill_size"], block_size,
+        )  # fmt: skip
+        if num_kv_blocks < 1 or (window is not None and num_window_blocks < 1):
+            got = f"{num_kv_blocks}" if window is None else f"{num_kv_blocks} and {num_window_blocks} (windowed layers)"
+            raise ConfigError(f"the KV cache must hold at least one block, got {got}")
+        s["num_kv_blocks"], s["num_window_blocks"] = num_kv_blocks, num_window_blocks
         # A single request must always fit: it can then finish after preempting all others.
         s["max_model_len"] = min(max_model_len, num_kv_blocks * block_size)
+        if window is not None and num_window_blocks < blocks_per_request(window, s["chunked_prefill_size"], block_size):
+            s["max_model_len"] = min(s["max_model_len"], num_window_blocks * block_size)
         if given.get("max_batched_tokens") is None:  # room for a whole chunk
             s["max_batched_tokens"] = max(cls.max_batched_tokens, s["chunked_prefill_size"])
         if given.get("threads_per_stage") is None:
@@ -228,8 +249,8 @@ class EngineConfig:
     def cluster_settings(self) -> dict[str, str]:
         """What every node of a cluster must agree on (compared when a node joins)."""
         names = (
-            "pp_size layer_ranges dtype quantization device block_size num_kv_blocks max_model_len edge_transports "
-            "max_batched_tokens async_depth decode_ahead dynamic_chunking synthetic_latency"
+            "pp_size layer_ranges dtype quantization device block_size num_kv_blocks num_window_blocks max_model_len "
+            "edge_transports max_batched_tokens async_depth decode_ahead dynamic_chunking synthetic_latency"
         ).split()
         settings = {name: str(getattr(self, name)) for name in names}
         settings["stage_nodes"] = str(self.cluster.stage_nodes if self.cluster else ())

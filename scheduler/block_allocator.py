@@ -55,24 +55,29 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Blocks [_fresh, num_blocks) were never handed out: free, and in no list yet, so that the
+        # bookkeeping grows with the blocks used, not with the pool (a pool whose layers hold no
+        # KV, the full-attention group of a model whose every layer has a window, is large:
+        # kv_groups.py). They are handed out after the free list, lowest first.
+        self._fresh = 0
         # LIFO free list: recently freed blocks are reused first (warm in cache).
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._refs = [0] * num_blocks
-        self._hash: list[bytes | None] = [None] * num_blocks  # content of a registered block
+        self._free: list[int] = []
+        self._refs: list[int] = []  # per block handed out so far
+        self._hash: list[bytes | None] = []  # content of a registered block
         self._by_hash: dict[bytes, int] = {}  # registered blocks, used or cached
-        self._salt: list[str | None] = [None] * num_blocks  # the cache salt of a registered block's request
+        self._salt: list[str | None] = []  # the cache salt of a registered block's request
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated: free ones, and cached ones (by evicting them)."""
-        return len(self._free) + len(self._lru)
+        return self.num_empty + len(self._lru)
 
     @property
     def num_empty(self) -> int:
         """Free blocks that hold nothing cached: allocating them evicts nothing."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_cached(self) -> int:
@@ -85,7 +90,7 @@ class BlockAllocator:
         return len(self._lru)
 
     def ref_count(self, block: int) -> int:
-        return self._refs[block]
+        return self._refs[block] if 0 <= block < self._fresh else 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -102,6 +107,13 @@ class BlockAllocator:
         keep = max(0, len(self._free) - n)
         taken = self._free[keep:][::-1]
         del self._free[keep:]
+        fresh = min(n - len(taken), self.num_blocks - self._fresh)
+        if fresh > 0:
+            taken += range(self._fresh, self._fresh + fresh)
+            self._fresh += fresh
+            self._refs += [0] * fresh
+            self._hash += [None] * fresh
+            self._salt += [None] * fresh
         while len(taken) < n:
             block, _ = self._lru.popitem(last=False)
             self._unregister(block)
@@ -123,7 +135,7 @@ class BlockAllocator:
         unregistered one free. Tail blocks go first, so they are evicted before the prefix that
         leads to them (which more requests share)."""
         for b in reversed(blocks):
-            if self._refs[b] <= 0:
+            if self.ref_count(b) <= 0:
                 raise ValueError(f"KV block {b} freed more often than it was taken")
             self._refs[b] -= 1
             if self._refs[b] == 0:
@@ -144,10 +156,14 @@ class BlockAllocator:
             hits.append(block)
         return hits
 
+    def find(self, h: bytes) -> int | None:
+        """The block holding the contents `h` (used or cached), if any (not taken yet)."""
+        return self._by_hash.get(h)
+
     def take(self, blocks: Sequence[int]) -> None:
         """One more reference to each of these (cached or used) blocks."""
         for b in blocks:
-            if self._refs[b] == 0:
+            if self.ref_count(b) == 0:
                 if b not in self._lru:
                     raise ValueError(f"KV block {b} is free: only cached or used blocks can be shared")
                 del self._lru[b]

@@ -16,32 +16,43 @@ its blocks, so only requests with the same salt (or none) share cached prefixes.
 Prompt logprobs: a request that asks for them computes its whole prompt, since a cached prefix
 has no logits; it never starts from cached blocks (it still registers the blocks it fills, for
 others).
+
+Sliding windows: a model with windowed layers caches their blocks too, by the same hashes, in
+their own group (window_kv.py). A prefix is usable only as far as that group still holds the
+blocks of its last window; a hit is cut back to there.
 """
 
 from __future__ import annotations
 
 from ppserve.scheduler.block_allocator import BlockAllocator, block_hash, salt_root
+from ppserve.scheduler.kv_groups import CachedPrefix
 from ppserve.scheduler.request import Request
+from ppserve.scheduler.window_kv import FREED, WindowKv
 
 
 class PrefixCache:
-    """The block hashes of requests, over the allocator's cache (a no-op where caching is off)."""
+    """The block hashes of requests, over the allocators' caches (a no-op where caching is off)."""
 
-    def __init__(self, allocator: BlockAllocator) -> None:
+    def __init__(self, allocator: BlockAllocator, window: WindowKv | None = None) -> None:
         self.allocator = allocator
+        self.window = window
         self.block_size = allocator.block_size
         self.enabled = allocator.enable_caching
         self.queries = 0  # tokens of admitted requests looked up
         self.hits = 0  # ... and found
 
-    def cached_prefix(self, r: Request) -> list[int]:
+    def cached_prefix(self, r: Request) -> CachedPrefix:
         """The cached blocks r can start from; the last token is never among them, so that
         there is something to compute and sample from."""
         if not self.enabled or r.params.prompt_logprobs is not None:
-            return []
+            return CachedPrefix()
         usable = (r.num_tokens - 1) // self.block_size
         self._hash_blocks(r, usable)
-        return self.allocator.lookup(r.block_hashes[:usable])
+        hits = self.allocator.lookup(r.block_hashes[:usable])
+        if self.window is None:
+            return CachedPrefix(hits)
+        k, found = self.window.cached(r.block_hashes, 0, len(hits))
+        return CachedPrefix(hits[:k], [FREED] * (k - len(found)) + found)
 
     def admitted(self, r: Request, cached: int) -> None:
         """r starts running with its first `cached` tokens from the cache."""
@@ -63,10 +74,16 @@ class PrefixCache:
             return  # mid-block (its next tokens go into a block of its own), nothing to find, or it needs logits
         self._hash_blocks(r, usable)
         hits = self.allocator.lookup(r.block_hashes[done:usable])
+        found: list[int] = []
+        if self.window is not None:
+            k, found = self.window.cached(r.block_hashes, done, done + len(hits))
+            hits = hits[: k - done]
         if not hits:
             return
         self.allocator.take(hits)
         r.block_table.extend(hits)
+        if self.window is not None:
+            self.window.extend(r, found, len(hits))
         skipped = len(hits) * bs
         r.num_scheduled_tokens += skipped  # plans in flight still add theirs to num_computed_tokens
         r.num_computed_tokens += skipped
@@ -84,6 +101,8 @@ class PrefixCache:
         self._hash_blocks(r, end)
         for i in range(first, end):
             self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
+            if self.window is not None:
+                self.window.register(r, i, r.block_hashes[i])
 
     def filled_ahead(self, r: Request) -> None:
         """r's newest token is in a block a plan in flight (planned ahead) fills: if that token
@@ -93,6 +112,8 @@ class PrefixCache:
             i = r.num_tokens // bs - 1
             self._hash_blocks(r, i + 1)
             self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
+            if self.window is not None:
+                self.window.register(r, i, r.block_hashes[i])
 
     def _hash_blocks(self, r: Request, num_blocks: int) -> None:
         """Extend r.block_hashes to its first `num_blocks` full blocks."""

@@ -37,6 +37,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # in the KV cache on every stage
     block_table: list[int] = field(default_factory=list)
+    # A model with sliding-window layers: their blocks, entry for entry as block_table's, the
+    # first `window_freed` slid out (FREED: scheduler/window_kv.py). Empty for other models.
+    window_table: list[int] = field(default_factory=list)
+    window_freed: int = 0
     finish_reason: FinishReason | None = None
     error: str = ""  # why it ended, when finish_reason is ERROR
     # Pipeline bookkeeping (scheduler only): tokens computed or in flight, plans in flight that

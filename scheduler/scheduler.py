@@ -25,7 +25,8 @@ Pipelining rules:
 KV blocks: allocated as chunks are scheduled; when they run out, cached blocks are evicted, and
 then the most recently admitted request with nothing in flight is preempted (its blocks freed,
 recomputed later from its tokens). A finished or aborted request frees its blocks only once no
-plan in flight still writes them.
+plan in flight still writes them. A model with sliding-window layers keeps their KV in a group of
+its own, whose blocks are freed as they slide out of the window (kv_groups.py, window_kv.py).
 
 Prefix caching (prefix_cache.py): a request starts from its longest cached prefix of full
 blocks, and skips ahead whenever another request has since filled the blocks it would compute
@@ -49,8 +50,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ppserve.scheduler.block_allocator import BlockAllocator
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
+from ppserve.scheduler.kv_groups import CachedPrefix, KvGroups
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.prefix_cache import PrefixCache
 from ppserve.scheduler.request import FinishReason, Request
@@ -79,6 +80,8 @@ class SchedulerConfig:
     dynamic_chunking: bool = False  # later chunks of a prompt shrink so that every chunk takes equal time
     chunk_smooth: float = 0.75  # 0: fixed chunks; 1: follow the latency model strictly
     enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (block_allocator.py)
+    kv_window: int | None = None  # sliding-window layers' KV group (window_kv.py): its window; None: none
+    num_window_blocks: int = 0  # ... and its pool
 
 
 @dataclass
@@ -94,8 +97,9 @@ class Scheduler:
         self.config = config
         self.ahead = config.decode_ahead and config.pp_size == 1  # the stage that samples also embeds
         self.depth = config.pp_size + config.async_depth + self.ahead
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = PrefixCache(self.allocator)
+        self.kv = KvGroups(config)
+        self.allocator = self.kv.full  # the full-attention layers' blocks (block_table's)
+        self.cache = PrefixCache(self.allocator, self.kv.window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -119,7 +123,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        max_tokens = self.allocator.num_blocks * self.allocator.block_size
+        max_tokens = self.kv.max_tokens
         if len(request.prompt_token_ids) >= max_tokens:
             raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens cannot fit the KV cache ({max_tokens})")
         self.requests[request.request_id] = request
@@ -158,6 +162,8 @@ class Scheduler:
         preempted for it: the KV may never come). `activate` or `abort` ends the reservation."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self.kv.window is not None:  # engine/config.py refuses such a pair at start
+            raise ValueError("the KV of sliding-window layers is not transferred between servers")
         need = self.allocator.blocks_for(len(request.prompt_token_ids))
         if need > self.allocator.num_free:
             return None
@@ -238,16 +244,14 @@ class Scheduler:
 
         while self.waiting and len(self.running) < cfg.max_running_requests and budget > 0 and len(items) < cap:
             r = self.waiting[0]  # new or preempted: nothing computed, no blocks
-            hits = self.cache.cached_prefix(r)
-            start = len(hits) * cfg.block_size
+            hit = self.cache.cached_prefix(r)
+            start = len(hit.blocks) * cfg.block_size
             n = min(self._chunk_size(r, start), budget)
-            # Taking a cached block that nobody uses removes it from what can be allocated.
-            fresh = self.allocator.num_free - sum(1 for b in hits if self.allocator.ref_count(b) == 0)
-            if self.allocator.blocks_for(start + n) - len(hits) > fresh:
+            if not self.kv.admissible(hit, start + n):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(r)
-            self._admit(r, hits)
+            self._admit(r, hit)
             self._reserve(r, n)
             budget -= self._take(r, n, items)
 
@@ -278,7 +282,7 @@ class Scheduler:
 
     def _needs_blocks(self, r: Request, n: int) -> bool:
         """Whether r's next n tokens need more blocks than are empty (without evicting)."""
-        return self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table) > self.allocator.num_empty
+        return self.kv.needs_more_than_empty(r, r.num_scheduled_tokens + n)
 
     def _may_go_ahead(self, r: Request) -> bool:
         """Whether r's next decode step may be planned now, before the token it reads (sampled by
@@ -315,11 +319,10 @@ class Scheduler:
         self.cache.filled(r, n)
         return n
 
-    def _admit(self, r: Request, hits: list[int]) -> None:
+    def _admit(self, r: Request, hit: CachedPrefix) -> None:
         """r starts running from its cached prefix (shared blocks, computed already)."""
-        self.allocator.take(hits)
-        r.block_table.extend(hits)
-        cached = len(hits) * self.config.block_size
+        self.kv.admit(r, hit)
+        cached = len(hit.blocks) * self.config.block_size
         r.num_computed_tokens = r.num_scheduled_tokens = cached
         self.cache.admitted(r, cached)
 
@@ -327,24 +330,24 @@ class Scheduler:
         """Forget every cached prefix, or those of requests whose cache salt starts with
         `salt_prefix` (a tenant's); requests running keep their blocks. Returns how many unused
         cached blocks became free."""
-        return self.allocator.flush(salt_prefix)
+        return self.kv.flush(salt_prefix)
 
     def _reserve(self, r: Request, n: int) -> bool:
         """Make sure r's blocks cover n more tokens, preempting others if needed."""
+        self.kv.slide(r)  # first: what slid out of its window may serve its next chunk
         need = self.allocator.blocks_for(r.num_scheduled_tokens + n) - len(r.block_table)
-        while need > self.allocator.num_free:
+        while not self.kv.has_free(need):
             victim = next((v for v in reversed(self.running) if v.inflight_plans == 0 and v.block_table), None)
             if victim is None or victim is r:
                 return False
             self._preempt(victim)
-        self.allocator.grow(r.block_table, r.num_scheduled_tokens + n)
+        self.kv.grow(r, r.num_scheduled_tokens + n)
         return True
 
     def _preempt(self, r: Request) -> None:
         """Recompute later: drop r's KV; its tokens so far become the prompt of a fresh prefill."""
         self.num_preemptions += 1
-        self.allocator.free(r.block_table)
-        r.block_table.clear()
+        self.kv.free(r)
         if r.num_blocks_sent:  # the stages hold a table of blocks that are free now
             self._preempted.append(r.request_id)
             r.num_blocks_sent = 0
@@ -364,9 +367,10 @@ class Scheduler:
                 targets.append(t)
             # Only the blocks the stages do not hold yet: a plan grows with new tokens, not context.
             fresh, new_blocks = r.num_blocks_sent == 0, r.block_table[r.num_blocks_sent :]
+            window_blocks = r.window_table[r.num_blocks_sent :]  # as many; FREED (-1) where a block slid out
             r.num_blocks_sent = len(r.block_table)
             tokens = [-1] if follows else r.token_slice(start, start + n)
-            chunks.append(SeqChunk(r.request_id, tokens, start, new_blocks, sample, fresh, follows))
+            chunks.append(SeqChunk(r.request_id, tokens, start, new_blocks, sample, fresh, follows, window_blocks))
             r.num_scheduled_tokens += n
             r.samples_in_flight += sample
             if not r.announced:
@@ -430,8 +434,7 @@ class Scheduler:
         if r.hold_kv:  # its KV is still to be sent: the blocks stay until release_held
             self.held[r.request_id] = r
         else:
-            self.allocator.free(r.block_table)
-            r.block_table.clear()
+            self.kv.free(r)
             r.num_blocks_sent = 0
         if self.requests.pop(r.request_id, None) is not None and r.announced:
             self._released.append(r.request_id)
@@ -458,7 +461,7 @@ class Scheduler:
         for r in reversed(preempted):  # keep their order at the head of the queue
             self._preempt(r)
         self._released, self._preempted = [], []  # the stages forget every request anyway
-        self.allocator.flush()  # a replaced stage has none of the cached KV
+        self.kv.flush()  # a replaced stage has none of the cached KV
         return len(preempted)
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
@@ -481,7 +484,7 @@ class Scheduler:
         for r in [*ended, *lingering]:
             r.inflight_plans = 0
             self._free(r)
-        self.allocator.flush()
+        self.kv.flush()
         return ended
 
 

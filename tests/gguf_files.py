@@ -12,6 +12,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
+from ppserve.engine.model.gguf_quant import BLOCKS, random_blocks
+
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 _GLOBAL["lm_head.weight"] = "output.weight"
@@ -50,6 +52,8 @@ def quantized(values: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.
         return gguf.quants.quantize(values, qtype)
     except NotImplementedError:
         pass
+    if qtype.name in BLOCKS:  # weights of about the size the model's were
+        return random_blocks(qtype.name, values.shape, np.random.default_rng(seed), std=float(values.std()))
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = values.shape
     raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
@@ -70,7 +74,10 @@ def write_gguf(
     tokenizer: bool = True,
     arch: str | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    mix: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
+    """`mix`: the type of the matrices whose GGUF name contains a key (as llama.cpp's Q4_K_M keeps
+    attn_v and ffn_down in Q6_K); the others are `qtype`."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = arch or ARCHS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -96,6 +103,7 @@ def write_gguf(
         elif arch == "llama" and ".k_proj." in name:
             values = llama_permute(values, kv_heads)
         kind = qtype if values.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32
+        kind = next((t for key, t in (mix or {}).items() if key in gguf_name(name) and values.ndim == 2), kind)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F64):
             writer.add_tensor(
                 gguf_name(name), values.astype(np.float64 if kind == GGMLQuantizationType.F64 else np.float32)

@@ -9,6 +9,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ from ppserve.engine.cluster.config import ClusterConfig, parse_host_port, split_
 from ppserve.engine.cluster.fingerprint import checkpoint_fingerprint, describe_mismatch
 from ppserve.engine.cluster.rendezvous import HostRendezvous, RendezvousError, _join_parts, join_cluster
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.file_hash import file_fingerprint
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.transport.addresses import free_ports
 from ppserve.transport.cluster_key import CurveKeys, Guard, load_key, proof, proof_matches
@@ -102,6 +104,52 @@ def test_fingerprint(llama_dir: Path, sharded_dir: Path, tmp_path: Path) -> None
     )  # same config.json, weights laid out differently
     with pytest.raises(ConfigError, match="cannot fingerprint"):
         checkpoint_fingerprint(tmp_path / "missing")
+
+
+def test_file_fingerprint_reads_samples_not_the_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model file's fingerprint changes with its head, a sampled byte or its size, and reads a
+    bounded part of a large file (a node never reads gigabytes to name its checkpoint)."""
+    path = tmp_path / "big.gguf"
+    with path.open("wb") as out:
+        out.truncate(1 << 30)  # sparse: 1 GiB of zeros
+    base = file_fingerprint(path)
+    read: list[int] = []
+    real_open = Path.open
+
+    class Counting:  # the file, counting what is read from it
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def read(self, n: int = -1) -> bytes:
+            data: bytes = self.f.read(n)
+            read.append(len(data))
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "open", lambda self, *a, **k: Counting(real_open(self, *a, **k)))
+        assert file_fingerprint(path) == base
+    assert 0 < sum(read) <= 21 << 20
+    for offset in (100, (1 << 30) - 1):  # in the head; in the last sample
+        with path.open("r+b") as f:
+            f.seek(offset)
+            f.write(b"\x01")
+        assert file_fingerprint(path) != base
+        with path.open("r+b") as f:
+            f.seek(offset)
+            f.write(b"\x00")
+        assert file_fingerprint(path) == base
+    with path.open("ab") as grown:
+        grown.write(b"\x00")
+    assert file_fingerprint(path) != base
 
 
 def test_load_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,21 +51,28 @@ def _check_equal_to_layers(runners: list[StageRunner], lengths: list[int]) -> No
         next_block += need
         _forward(runners, [SeqChunk(f"r{i}", random_prompt(rng, n, vocab), 0, tables[-1], True)])
     decode = [SeqChunk(f"r{i}", [rng.randrange(6, vocab)], n, tables[i], True) for i, n in enumerate(lengths)]
-    before = [r.kv_cache.clone() for r in runners]
+    before = [_kv(r) for r in runners]
     fused = _forward(runners, decode)
-    fused_kv = [r.kv_cache.clone() for r in runners]
+    fused_kv = [_kv(r) for r in runners]
     steps = [r.model.decode_step for r in runners]
     try:
         for runner, kv in zip(runners, before, strict=True):
-            runner.kv_cache.copy_(kv)
+            tensors = runner.kv.tensors()
+            for t, saved in zip(tensors, kv.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(saved.view(t.shape))
             runner.model.decode_step = None
         layered = _forward(runners, decode)
     finally:
         for runner, step in zip(runners, steps, strict=True):
             runner.model.decode_step = step
-    for a, b in zip(fused + fused_kv, layered + [r.kv_cache for r in runners], strict=True):
+    for a, b in zip(fused + fused_kv, layered + [_kv(r) for r in runners], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(fused_kv[0], before[0])  # the step wrote its keys and values
+
+
+def _kv(runner: StageRunner) -> torch.Tensor:
+    """A copy of the stage's whole KV cache: every group's (engine/model/kv_cache.py), flat."""
+    return torch.cat([t.reshape(-1) for t in runner.kv.tensors()])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2-sliding", "llama-bias", "qwen3", "qwen3-bias-tied"])
@@ -79,7 +86,7 @@ def test_equals_layers(checkpoints: dict[str, Path], arch: str, quantization: st
     _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
 def test_equals_layers_with_gguf_types(llama_dir: Path, tmp_path: Path, qtype: Q) -> None:
     runners = _runners(write_gguf(llama_dir, tmp_path / "m.gguf", qtype), quantization="auto")
     _check_equal_to_layers(runners, [2, 19, 7])

@@ -18,6 +18,7 @@ from helpers import pipeline, random_prompt
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.gguf_checkpoint import prepare_gguf, read_gguf_quantized, read_gguf_tensors
+from ppserve.engine.model.gguf_quant import GGUFLinear
 from ppserve.engine.model.model import DecoderLayer
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, from_gguf_blocks, quantize_int8
@@ -181,8 +182,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
 def test_gguf_kept_quantized_runs_equal_across_pp(llama_dir: Path, tmp_path: Path, qtype: Q) -> None:
-    """With --quantization auto every linear keeps the file's type (q/k unpermuted row by row), the
-    logits stay close to the dequantized model's, and greedy tokens are the same at PP 1, 2 and 3."""
+    """With --quantization auto every linear keeps the file's type (q/k unpermuted row by row): as
+    QuantLinear's integers where ppserve's AVX-512 VNNI kernel runs, else as GGUF blocks
+    (tests/test_gguf_quant.py); greedy tokens are the same at PP 1, 2 and 3."""
     path = write_gguf(llama_dir, tmp_path / "m.gguf", qtype)
     prepared = prepare_gguf(path)
     reader = gguf.GGUFReader(path)
@@ -191,8 +193,11 @@ def test_gguf_kept_quantized_runs_equal_across_pp(llama_dir: Path, tmp_path: Pat
     floats = EngineConfig.create(path, quantization="none")
     ((_, dequantized),) = read_gguf_tensors(floats.model, ["model.layers.1.self_attn.q_proj.weight"], torch.float32)
     w = kept["model.layers.1.self_attn.q_proj.weight"]
-    assert q_proj.tensor_type == qtype and w.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert q_proj.tensor_type == qtype and w.type_name == qtype.name
     assert (w.dequantize() - dequantized).abs().max().item() <= 1e-5
+    packed = from_gguf_blocks(w.type_name, w.raw.numpy(), w.shape)
+    assert packed.bits == (8 if qtype == Q.Q8_0 else 4) and (packed.dequantize() - dequantized).abs().max() <= 1e-5
+    kind = QuantLinear if cpu_kernels.quant_gemm_available(torch.device("cpu"), torch.float32) else GGUFLinear
 
     prompts = [random_prompt(random.Random(i), 12 + 5 * i) for i in range(3)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -200,7 +205,7 @@ def test_gguf_kept_quantized_runs_equal_across_pp(llama_dir: Path, tmp_path: Pat
     for pp in (1, 2, 3):
         pipe = pipeline(path, pp_size=pp, quantization="auto")
         layer = pipe.executor.runners[0].model.model.layers["0"]
-        assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp.gate_up, QuantLinear)
+        assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp.gate_up, kind)
         runs.append([g.token_ids for g in pipe.generate(prompts, params)])
         pipe.close()
     assert runs[0] == runs[1] == runs[2]

@@ -67,8 +67,9 @@ def test_tied_single_stage_shares_the_tensor(llama_dir: Path) -> None:
     with torch.device("meta"):
         stage = StageModel(config.model_config, range(config.model_config.num_layers), True, True)
     load_stage_weights(stage, llama_dir, torch.float32, torch.device("cpu"))
-    assert stage.lm_head is not None and stage.model.embed_tokens is not None
-    assert stage.lm_head.weight.data_ptr() == stage.model.embed_tokens.weight.data_ptr()
+    embed = stage.model.embed_tokens
+    assert stage.lm_head is not None and isinstance(embed, torch.nn.Embedding)
+    assert stage.lm_head.weight.data_ptr() == embed.weight.data_ptr()
 
 
 def test_progress_bar_for_shards(sharded_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:

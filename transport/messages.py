@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 10  # 10: NewRequest.grammar_cost, Sampled.error
+PROTOCOL_VERSION = 11  # 11: SeqChunk.window_blocks
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -42,6 +42,10 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     # that embeds, which at PP=1 is the one that sampled that token in the previous plan, puts it
     # there (Sampler.follow).
     follows: bool = False
+    # A model with sliding-window layers: their own blocks (scheduler/window_kv.py), entry for entry
+    # as `blocks` (so as many), -1 for blocks that slid out of the window (never read). Given to
+    # `execute` directly, empty: `blocks` serves both groups.
+    window_blocks: list[int] = []
 
     @property
     def num_new(self) -> int:

@@ -4,7 +4,8 @@ Each node loads its stages from its own copy of the checkpoint, so node 0 compar
 when a node joins: config.json, and the weight index (the sharded index file, or the header of a
 single model.safetensors: every tensor's name, dtype, shape and offset). Tensor values are not
 read: that would mean reading every weight on every start. A GGUF checkpoint is named by its
-file's sha256 (engine/model/file_hash.py computes it once per version of the file).
+file's fingerprint (engine/model/file_hash.py: its size, metadata and tensor table, and samples of
+its data).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hashlib
 import struct
 from pathlib import Path
 
-from ppserve.engine.model.gguf_checkpoint import gguf_sha256, is_prepared_gguf
+from ppserve.engine.model.gguf_checkpoint import gguf_fingerprint, is_prepared_gguf
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.weights import INDEX_FILE, SINGLE_FILE
 
@@ -25,7 +26,7 @@ def checkpoint_fingerprint(model_dir: str | Path) -> dict[str, str]:
     try:
         config = (model_dir / "config.json").read_bytes()
         if is_prepared_gguf(model_dir):
-            weights = gguf_sha256(model_dir).encode()
+            weights = gguf_fingerprint(model_dir).encode()
         elif index.is_file():
             weights = index.read_bytes()
         else:

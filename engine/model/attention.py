@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ppserve.engine.model import cpu_kernels as kernel
+from ppserve.scheduler.window_kv import first_window_block
 
 
 class SeqSpan(Protocol):
@@ -98,6 +99,9 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     prefills: tuple[PrefillGroup, ...]
     buffers: GatherBuffers
+    # The sliding-window layers' own group (scheduler/window_kv.py), where the stage has one: the
+    # same spans over that group's blocks (see `with_window`); the full-attention layers read this one.
+    window: AttentionMetadata | None = None
 
     @classmethod
     def build(
@@ -194,6 +198,31 @@ class AttentionMetadata:
             prefills=tuple(prefills),
             buffers=buffers or GatherBuffers(),
         )
+
+    def with_window(
+        self, tables: torch.Tensor, lengths: Sequence[int], starts: Sequence[int], num_new: Sequence[int],
+        block_size: int, window: int, windows: Iterable[int | None],
+    ) -> AttentionMetadata:  # fmt: skip
+        """This metadata with that of the windowed group (`window`: the group's window, `windows`:
+        its layers'), whose tables are `tables` and `lengths` as `from_tables` takes them.
+
+        Each span's table is read from the first block its window reaches (`first_window_block`)
+        and its start counted from there: blocks below have slid out (their entries are stale ids
+        or padding), and no attention path reads them, since every one of them depends only on
+        the distance between a query and a key. Positions stay this metadata's own (RoPE's).
+        """
+        lo = np.asarray([first_window_block(s, window, block_size) for s in starts], dtype=np.int64)  # [batch]
+        length = np.asarray(lengths, dtype=np.int64) - lo  # [batch]
+        cols = lo[:, None] + np.arange(max(int(length.max(initial=0)), 1))  # [batch, width]
+        table = tables.numpy()
+        kept = np.take_along_axis(table, np.minimum(cols, table.shape[1] - 1), axis=1)  # [batch, width]
+        kept[cols >= np.asarray(lengths)[:, None]] = 0
+        shifted = [s - int(o) * block_size for s, o in zip(starts, lo, strict=True)]
+        md = AttentionMetadata.from_tables(
+            shifted, num_new, torch.from_numpy(kept), length.tolist(), block_size, self.positions.device,
+            windows, self.buffers,
+        )  # fmt: skip
+        return replace(self, window=replace(md, positions=self.positions))
 
 
 def padded_tables(tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:

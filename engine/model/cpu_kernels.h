@@ -144,7 +144,7 @@ void shared_for(int64_t n, F&& f) {
 #endif
 
 // The kernels that decode_step.cpp strings together (their comments are where they are defined:
-// cpu_kernels.cpp and cpu_gemm.cpp), in float32 (f32) and bfloat16 (bf16, as uint16_t).
+// cpu_kernels.cpp, cpu_gemm.cpp and gguf_gemm.cpp), in float32 (f32) and bfloat16 (bf16, as uint16_t).
 extern "C" {
 #define PPSERVE_DECLARE_KERNELS(SUFFIX, T)                                                                            \
   void decode_attention_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens,      \
@@ -158,7 +158,9 @@ extern "C" {
   void quant_gemm_q4_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
                               const T* bias, T* y, int64_t M, int64_t N, int64_t K);                                 \
   void quant_gemm_q8_##SUFFIX(const T* x, const uint8_t* w, const uint16_t* scales, const uint16_t* mins,            \
-                              const T* bias, T* y, int64_t M, int64_t N, int64_t K);
+                              const T* bias, T* y, int64_t M, int64_t N, int64_t K);                                 \
+  void gguf_linear_##SUFFIX(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types,                    \
+                            const uint8_t* const* weights, const int64_t* rows, const T* bias, T* y);
 PPSERVE_DECLARE_KERNELS(f32, float)
 PPSERVE_DECLARE_KERNELS(bf16, uint16_t)
 #undef PPSERVE_DECLARE_KERNELS

@@ -19,6 +19,8 @@ one library, loaded with ctypes.
   memory's speed; ppserve's reads them at memory speed, and stays within 10% of oneDNN's at
   prefill sizes. The bfloat16 one (CPUs with AVX-512 BF16) also spares a decode step its calls
   back into Python for oneDNN.
+- GGUF's quantized tensors (Q4_K, Q5_K, Q6_K, Q5_0 and the rest) as they lie in the file
+  (gguf_gemm.cpp, engine/model/gguf_quant.py): a linear and an embedding lookup, on any CPU.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
   and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
@@ -54,7 +56,9 @@ from ppserve.engine.model.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "decode_step.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "decode_step.cpp", "gguf_gemm.cpp")
+]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix
 _PTR, _INT64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

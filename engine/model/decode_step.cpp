@@ -15,7 +15,9 @@
 
 // One linear: y = x @ W.T + b by the GEMM `kind` names, with its packed weight's tensors.
 struct Gemm {
-  int64_t kind;  // 0: float_gemm; 2: float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's
+  // 0: float_gemm; 2: float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's;
+  // 16 + p: gguf_linear of p parts (weight, scales, mins: its weights, types and rows arrays)
+  int64_t kind;
   const void* weight;
   const void* scales;  // quantized only
   const void* mins;    // 4 bits only
@@ -123,7 +125,17 @@ T* gemm(const Gemm& g, const T* x, T* y, int64_t rows, LinearFn linear, int64_t 
       return y;
     }
 #endif
-    default: break;
+    default:
+      if (g.kind > 16) {
+        const auto weights = static_cast<const uint8_t* const*>(g.weight);
+        const auto types = static_cast<const int64_t*>(g.scales), parts = static_cast<const int64_t*>(g.mins);
+        if constexpr (std::is_same_v<T, float>)
+          gguf_linear_f32(x, rows, k, g.kind - 16, types, weights, parts, bias, y);
+        else
+          gguf_linear_bf16(x, rows, k, g.kind - 16, types, weights, parts, bias, y);
+        return y;
+      }
+      break;
   }
   std::abort();  // decode_step.py passes only the kinds this library has
 }

@@ -24,6 +24,7 @@ import torch
 
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata
+from ppserve.engine.model.gguf_quant import GGUFLinear
 
 if TYPE_CHECKING:  # model.py builds a DecodeStep
     from ppserve.engine.model.model import DecoderLayer
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # model.py builds a DecodeStep
 # are the caller's (kind 1), run through the callback.
 _KINDS = {"float_gemm": 0, "float_gemm_silu": 2, "quant_gemm_q4": 4, "quant_gemm_q8": 8}
 _CALLBACK = 1
+_GGUF = 16  # + the number of parts: engine/model/gguf_quant.py's GGUFLinear
 
 
 class _Gemm(ctypes.Structure):
@@ -78,6 +80,11 @@ class _Dims(ctypes.Structure):
 def _gemm(linear: torch.nn.Module) -> _Gemm:
     """A `Linear` or `QuantLinear` (engine/model/linear.py, quantized.py) as decode_step.cpp takes it:
     one of the library's GEMMs, or else the caller's."""
+    if isinstance(linear, GGUFLinear):  # its parts' weights, types and rows, as gguf_gemm.cpp takes them
+        kind = _GGUF + len(linear.parts)
+        bias = None if linear.bias is None else linear.bias.data_ptr()
+        pointers = [ctypes.addressof(a) for a in (linear.weight_ptrs, linear.types, linear.part_rows)]
+        return _Gemm(kind, *pointers, bias, linear.out_features, linear.in_features)
     packed = getattr(linear, "gemm", None)
     if not isinstance(packed, cpu_kernels.PackedGemm) or packed.kernel not in _KINDS:
         return _Gemm(_CALLBACK, None, None, None, None, linear.out_features, linear.in_features)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ppserve.engine.model.gguf_header import (
     FLOAT_TYPES,
@@ -30,7 +30,12 @@ from ppserve.engine.model.gguf_header import (
 )
 from ppserve.engine.model.model_config import MAX_LAYERS, MAX_SIZE
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -49,6 +54,17 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms attention's and the MLP's outputs too, and its `ffn_norm` is the one before the MLP
+# (gguf-py's tensor map for MODEL_ARCH.GEMMA3).
+GEMMA3_LAYER_NAMES = LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp assumes for Gemma 3 where the file says nothing (llama-model.cpp): every 6th layer
+# global, the sliding layers' RoPE base 10000. transformers' GGUF loader takes the same defaults.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 TOKENS, MERGES = "tokenizer.ggml.tokens", "tokenizer.ggml.merges"
 KEPT_ARRAYS = (TOKENS, MERGES)  # the string arrays the checks read element by element
@@ -79,20 +95,62 @@ class GGUFModel:
     vocab: int
     file_type: int
     eos_ids: tuple[int, ...]  # the end-of-sequence and end-of-turn tokens the file names
+    # Gemma 3 only: the sliding layers' window and RoPE base, which layers are global (every
+    # `sliding_pattern`-th), and the attention's query_pre_attn_scalar.
+    sliding_window: int | None = None
+    rope_local_base: float | None = None
+    sliding_pattern: int | None = None
+    query_pre_attn_scalar: int | None = None  # an integer in Gemma3TextConfig, which checks its types
+
+    def gemma3_config(self) -> dict[str, Any]:
+        """config.json's Gemma 3 fields, as transformers' Gemma3TextConfig writes them: RoPE per
+        layer type (a linear scaling on the global layers only, as llama.cpp applies it)."""
+        assert self.sliding_pattern is not None and self.rope_local_base is not None
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
+        if self.rope_linear_factor is not None:
+            full |= {"rope_type": "linear", "factor": self.rope_linear_factor}
+        pattern = self.sliding_pattern
+        return {
+            "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "sliding_window": self.sliding_window,
+            "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.layers)],
+            "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_base},
+            },
+        }
 
     def required_tensors(self) -> list[str]:
-        kinds = [k for k in LAYER_NAMES if self.arch == "qwen3" or k not in ("attn_q_norm", "attn_k_norm")]
+        qk_norm = self.arch in ("qwen3", "gemma3")
+        names = layer_names(self.arch)
+        kinds = [k for k in names if qk_norm or k not in ("attn_q_norm", "attn_k_norm")]
         layers = (f"blk.{i}.{k}.weight" for i in range(self.layers) for k in kinds)
         return ["token_embd.weight", "output_norm.weight", *layers]
 
 
-def engine_name(gguf_name: str) -> str | None:
+def layer_names(arch: str) -> dict[str, str]:
+    """A layer's GGUF tensor kinds -> the engine's module names, for the family `arch`."""
+    return GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+
+
+def engine_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     m = LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m[2] in LAYER_NAMES:
-        return f"model.layers.{m[1]}.{LAYER_NAMES[m[2]]}.{m[3]}"
+    names = layer_names(arch)
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
     return None
+
+
+def norm_shift(arch: str, name: str) -> float:
+    """What llama.cpp's converter added to the tensor `name` (an engine name): Gemma's RMSNorm
+    scales by (1 + w), llama.cpp's by its weight, so the converter stores w + 1 for every norm;
+    the reader subtracts it again (as transformers' GGUF loader does), and the model adds it back
+    in float32."""
+    return 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
 
 
 def check_model(header: GGUFHeader) -> GGUFModel:
@@ -124,9 +182,10 @@ def check_model(header: GGUFHeader) -> GGUFModel:
     if scaling not in ("none", "linear"):
         fields.fail(f"rope scaling {scaling!r} is not supported (only linear)")
     vocab = _check_vocabulary(fields, arch)
+    layers = _block_count(fields, arch, header)
     model = GGUFModel(
         arch=arch,
-        layers=_block_count(fields, arch, header),
+        layers=layers,
         hidden=hidden,
         ffn=fields.integer(f"{arch}.feed_forward_length", high=MAX_DIM),
         heads=heads,
@@ -143,9 +202,26 @@ def check_model(header: GGUFHeader) -> GGUFModel:
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
             if k in header.fields
         ),
+        **(_gemma3_fields(fields, layers, hidden, heads, head_dim) if arch == "gemma3" else {}),
     )
     _check_tensors(fields, model)
     return model
+
+
+def _gemma3_fields(fields: _Fields, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's values, as llama.cpp reads them (llama-model.cpp): the window is required, the
+    pattern and the local base are llama.cpp's constants unless the file states them."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"gemma3.{key}" in fields.header.fields:
+            fields.fail(f"GGUF metadata key 'gemma3.{key}' is not supported (Gemma 3 has no softcapping)")
+    # llama.cpp scales the 27B model's (62 layers) queries by hidden / heads, every other size's by
+    # head_dim: the query_pre_attn_scalar of their config.json files (168 and 256).
+    return {
+        "sliding_window": fields.integer("gemma3.attention.sliding_window"),
+        "rope_local_base": fields.positive_float("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE),
+        "sliding_pattern": fields.integer("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN),
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+    }
 
 
 class _Fields:
@@ -278,7 +354,7 @@ def _check_tensors(fields: _Fields, model: GGUFModel) -> None:
     every tensor the model needs present."""
     header = fields.header
     for t in header.tensors:
-        if engine_name(t.name) is None:
+        if engine_name(t.name, model.arch) is None:
             fields.fail(f"tensor {t.name!r} is not supported (unknown to the {model.arch} model)")
         m = LAYER_TENSOR.fullmatch(t.name)
         if m and int(m[1]) >= model.layers:
@@ -306,6 +382,8 @@ def _weight_shapes(m: GGUFModel) -> dict[str, tuple[int, ...]]:
         "output_norm": (m.hidden,),
         "attn_norm": (m.hidden,),
         "ffn_norm": (m.hidden,),
+        "post_attention_norm": (m.hidden,),
+        "post_ffw_norm": (m.hidden,),
         "attn_q": (q, m.hidden),
         "attn_k": (kv, m.hidden),
         "attn_v": (kv, m.hidden),

@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ppserve.engine.model.cache_dir import cache_dir
-from ppserve.engine.model.file_hash import file_sha256
-from ppserve.engine.model.gguf_check import ARCHITECTURES, KEPT_ARRAYS, GGUFModel, check_model, engine_name
+from ppserve.engine.model.file_hash import file_fingerprint
+from ppserve.engine.model.gguf_check import ARCHITECTURES, KEPT_ARRAYS, GGUFModel, check_model, engine_name, norm_shift
 from ppserve.engine.model.gguf_header import GGUFHeader, read_header
+from ppserve.engine.model.gguf_quant import BLOCKS, GGUFWeight, from_blocks
 from ppserve.engine.model.model_config import ConfigError
-from ppserve.engine.model.quantized import GGUF_KEPT, QuantWeight, from_gguf_blocks
 
 INFO_FILE = "gguf.json"
-PREPARED_VERSION = "v2"  # bump when what prepare_gguf or read_gguf_tensors writes changes
+PREPARED_VERSION = "v3"  # bump when what prepare_gguf or read_gguf_tensors writes changes
 # general.file_type -> the checkpoint's dtype, which --dtype auto takes on GPUs (CPUs run float32).
 _PLAIN_TYPES = ("F32", "F16", "BF16")  # read as they are: a plain conversion
 # The tokenizer class AutoTokenizer picks for each family's model_type.
-_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+_TOKENIZER_CLASSES = {
+    "llama": "TokenizersBackend",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "gemma3": "GemmaTokenizer",
+}
 _CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # the quantized types: bfloat16
 
 
@@ -62,10 +67,10 @@ def is_prepared_gguf(model_dir: str | Path) -> bool:
 def prepare_gguf(path: str | Path) -> Path:
     """The prepared directory of the GGUF file `path`, written on first use (see the module doc)."""
     path = Path(path).resolve()
-    sha = file_sha256(path)
+    sha = file_fingerprint(path)  # not a hash of every byte: a node reads only its own tensors
     out = cache_dir() / "gguf" / f"{path.stem}-{sha[:16]}-{PREPARED_VERSION}"
     if (out / INFO_FILE).is_file():
-        _point_at(out, path)  # the same bytes may have moved since
+        _point_at(out, path)  # the same file may have moved, or been copied, since
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -85,8 +90,9 @@ def gguf_tensor_names(model_dir: str | Path) -> set[str]:
     return set(_info(Path(model_dir))["tensors"])
 
 
-def gguf_sha256(model_dir: str | Path) -> str:
-    return str(_info(Path(model_dir))["sha256"])
+def gguf_fingerprint(model_dir: str | Path) -> str:
+    """The prepared file's fingerprint (engine/model/file_hash.py's `file_fingerprint`)."""
+    return str(_info(Path(model_dir))["fingerprint"])
 
 
 def read_gguf_tensors(
@@ -98,6 +104,7 @@ def read_gguf_tensors(
     model_dir = Path(model_dir)
     info = _info(model_dir)
     table: dict[str, list[Any]] = info["tensors"]
+    arch = str(info["architecture"])
     wanted: dict[str, list[str]] = defaultdict(list)
     for name in names:
         wanted[_shard_of(name)].append(name)
@@ -107,10 +114,10 @@ def read_gguf_tensors(
     for shard, shard_names in sorted(wanted.items()):
         path = shard_dir / f"{shard}.safetensors"
         in_shard = [name for name in table if _shard_of(name) == shard]
-        if all(table[n][0] in _PLAIN_TYPES for n in shard_names) and any(table[n][0] in GGUF_KEPT for n in in_shard):
+        if all(table[n][0] in _PLAIN_TYPES for n in shard_names) and any(table[n][0] in BLOCKS for n in in_shard):
             # A layer whose linears run quantized: its norms are read as they are, nothing cached.
             source = source if source is not None else _map_source(info)
-            yield from ((name, _dequantize(source, table[name], dtype)) for name in shard_names)
+            yield from ((name, _dequantize(source, table[name], dtype, norm_shift(arch, name))) for name in shard_names)
             continue
         if path.is_file():
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -125,24 +132,25 @@ def read_gguf_tensors(
             )
             announced = True
         source = source if source is not None else _map_source(info)
-        tensors = {name: _dequantize(source, table[name], dtype) for name in in_shard}
+        tensors = {name: _dequantize(source, table[name], dtype, norm_shift(arch, name)) for name in in_shard}
         _save_shard(tensors, path)
         yield from ((name, tensors[name]) for name in shard_names)
 
 
-def gguf_kept_quantized(model_dir: str | Path) -> set[str]:
-    """The tensors whose GGML type a linear can run as it is (engine/model/quantized.py)."""
-    return {name for name, entry in _info(Path(model_dir))["tensors"].items() if entry[0] in GGUF_KEPT}
+def gguf_kept_quantized(model_dir: str | Path, types: Collection[str]) -> set[str]:
+    """The tensors whose GGML type is one of `types` (those a linear can run as they are)."""
+    return {name for name, entry in _info(Path(model_dir))["tensors"].items() if entry[0] in types}
 
 
-def read_gguf_quantized(model_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, QuantWeight]]:
-    """(name, weight) for the tensors `names`, kept in their quantized type (no cache: reading the
-    blocks is a reshuffle of bytes)."""
+def read_gguf_quantized(model_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, GGUFWeight]]:
+    """(name, weight) for the tensors `names`, kept in their quantized type: views of the mapped
+    file (copy-on-write, never written), so nothing is read until a kernel touches it; q and k of a
+    Llama are copies, their rows put back in transformers' order."""
     info = _info(Path(model_dir))
-    source = _map_source(info)
+    source = _map_source(info, copy_on_write=True)
     for name in names:
         type_name, shape, offset, nbytes, heads = info["tensors"][name]
-        weight = from_gguf_blocks(type_name, source[offset : offset + nbytes], shape)
+        weight = from_blocks(type_name, source[offset : offset + nbytes], shape)
         if heads:
             weight = weight.rows(_unpermute(torch.arange(shape[0]), heads))
         yield name, weight
@@ -182,7 +190,7 @@ def _write_prepared(path: Path, sha: str, out: Path) -> None:
     _save_tokenizer(path, model.arch, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    info = {"sha256": sha, "architecture": model.arch, "tensors": table, **_source_stat(path)}
+    info = {"fingerprint": sha, "architecture": model.arch, "tensors": table, **_source_stat(path)}
     (out / INFO_FILE).write_text(json.dumps(info))
 
 
@@ -204,7 +212,10 @@ def _hf_config(model: GGUFModel, tensor_names: set[str]) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "dtype": _CHECKPOINT_DTYPES.get(model.file_type, "bfloat16"),
     }
-    if model.rope_linear_factor is not None:
+    if model.arch == "gemma3":  # RoPE per layer type, the window, the activation, the query scale
+        del config["rope_theta"]
+        config.update(model.gemma3_config())
+    elif model.rope_linear_factor is not None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": model.rope_linear_factor}
     config["vocab_size"] = model.vocab  # the embedding's rows, which the check matched to the tokens
     return config
@@ -218,7 +229,7 @@ def _tensor_table(header: GGUFHeader, model: GGUFModel) -> dict[str, list[Any]]:
     checked: set[Any] = set()
     table: dict[str, list[Any]] = {}
     for t in header.tensors:
-        name = engine_name(t.name)
+        name = engine_name(t.name, model.arch)
         assert name is not None  # check_model refused unknown tensors
         if t.type not in checked:  # one block of each type, to refuse what gguf-py cannot read
             nbytes = GGML_QUANT_SIZES[t.type][1]
@@ -257,7 +268,8 @@ def _save_tokenizer(path: Path, arch: str, out: Path) -> None:
         raise ConfigError(f"{path.name}: cannot convert the GGUF's tokenizer: {detail}") from None
 
 
-def _dequantize(source: np.memmap, entry: list[Any], dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(source: np.memmap, entry: list[Any], dtype: torch.dtype, shift: float = 0.0) -> torch.Tensor:
+    """A tensor of the table, in `dtype`, less `shift` (subtracted in float32, see gguf_check.norm_shift)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quant_shape_to_byte_shape
 
@@ -270,6 +282,8 @@ def _dequantize(source: np.memmap, entry: list[Any], dtype: torch.dtype) -> torc
     values = torch.from_numpy(array).reshape(shape)
     if heads:
         values = _unpermute(values, heads)
+    if shift:
+        values = values - shift
     return values.to(dtype).contiguous()
 
 
@@ -296,13 +310,18 @@ def _source_stat(path: Path) -> dict[str, Any]:
 def _point_at(out: Path, path: Path) -> None:
     info = _info(out)
     if {k: info.get(k) for k in ("source", "size", "mtime_ns")} != _source_stat(path):
+        # The fingerprint samples the file: layers dequantized from another file of the same
+        # fingerprint (or this one before an edit) are made again rather than trusted.
+        for shards in (p for p in out.iterdir() if p.is_dir()):
+            shutil.rmtree(shards, ignore_errors=True)
         tmp = out / f".{INFO_FILE}.{os.getpid()}"
         tmp.write_text(json.dumps({**info, **_source_stat(path)}))
         os.replace(tmp, out / INFO_FILE)
 
 
-def _map_source(info: dict[str, Any]) -> np.memmap:
-    """The source file, memory-mapped, after checking it is the one that was prepared."""
+def _map_source(info: dict[str, Any], copy_on_write: bool = False) -> np.memmap:
+    """The source file, memory-mapped, after checking it is the one that was prepared (`copy_on_write`:
+    a private mapping, whose arrays torch takes as writable without copying them)."""
     path = Path(info["source"])
     try:
         same = {k: info[k] for k in ("source", "size", "mtime_ns")} == _source_stat(path)
@@ -310,4 +329,4 @@ def _map_source(info: dict[str, Any]) -> np.memmap:
         same = False
     if not same:
         raise ConfigError(f"{path} changed or moved since it was prepared; start the engine again")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    return np.memmap(path, dtype=np.uint8, mode="c" if copy_on_write else "r")

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppserve.engine.model import cpu_kernels
-from ppserve.engine.model.quantized import QuantLinear, QuantWeight, concat, quantize_int8
+from ppserve.engine.model.gguf_quant import GGUFLinear, GGUFWeight, gguf_kernels_available, gguf_q8_0
+from ppserve.engine.model.quantized import GGUF_KEPT, QuantLinear, QuantWeight, concat, from_gguf_blocks, quantize_int8
 
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
 PACK_ROWS_HINT = 64
@@ -128,9 +129,12 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+AnyLinear = Linear | QuantLinear | GGUFLinear  # what a fused projection of the forward pass is
+
+
 def fuse_linears(
     linears: Sequence[nn.Linear], dtype: torch.dtype, device: torch.device, int8: bool = False, gated: bool = False
-) -> Linear | QuantLinear:
+) -> AnyLinear:
     """One linear whose output is the given layers' outputs side by side (same input); `gated`: they
     are an MLP's gate and up projections (see `Linear`).
 
@@ -146,11 +150,30 @@ def fuse_linears(
                 for lin, b in zip(linears, biases, strict=True)
             ]
         )
-    quants: list[QuantWeight | None] = [getattr(lin, "quant", None) for lin in linears]
+    quants: list[QuantWeight | GGUFWeight | None] = [getattr(lin, "quant", None) for lin in linears]
+    if any(isinstance(q, GGUFWeight) for q in quants):
+        ggufs = [
+            q if isinstance(q, GGUFWeight) else gguf_q8_0(lin.weight.detach())
+            for lin, q in zip(linears, quants, strict=True)
+        ]
+        if not _runs_packed(ggufs, dtype, device):
+            return GGUFLinear(ggufs, bias, dtype)
+        quants = [from_gguf_blocks(q.type_name, q.raw.numpy(), q.shape) for q in ggufs]
     if int8 or any(q is not None for q in quants):
         ws = [
-            q if q is not None else quantize_int8(lin.weight.detach()) for lin, q in zip(linears, quants, strict=True)
+            q if isinstance(q, QuantWeight) else quantize_int8(lin.weight.detach())
+            for lin, q in zip(linears, quants, strict=True)
         ]
         return QuantLinear(concat(ws), bias, dtype, device)
     weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
     return Linear(weight.contiguous(), bias, gated=gated)
+
+
+def _runs_packed(weights: Sequence[GGUFWeight], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether GGUF tensors run as QuantLinear's integers (engine/model/quantized.py) rather than as
+    their blocks (engine/model/gguf_quant.py): where the blocks' kernel is not built (weights.py
+    then keeps only the types QuantLinear takes), and for those types on CPUs with ppserve's own
+    AVX-512 VNNI kernel, which they map onto exactly."""
+    if not gguf_kernels_available(device, dtype):
+        return True
+    return cpu_kernels.quant_gemm_available(device, dtype) and all(w.type_name in GGUF_KEPT for w in weights)

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one pipeline stage: a contiguous slice of layers.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3 as one pipeline stage: a contiguous slice of layers.
 
 Module names mirror the Hugging Face checkpoint names (`model.layers.7.self_attn.q_proj.weight`),
 with layers keyed by their global index, so a stage's `state_dict()` keys are exactly the tensors
@@ -21,9 +21,10 @@ from torch import nn
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from ppserve.engine.model.decode_step import DecodeStep
-from ppserve.engine.model.linear import Linear, fuse_linears
+from ppserve.engine.model.gguf_quant import GGUFEmbedding, GGUFWeight
+from ppserve.engine.model.kv_cache import StageKvCache
+from ppserve.engine.model.linear import AnyLinear, Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
-from ppserve.engine.model.quantized import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +47,39 @@ class RMSNorm(nn.Module):
         if add is not None:
             h += add
         return self(h)
+
+    def use_kernel(self, fast: bool) -> None:
+        """After loading: whether the CPU kernel runs this norm (StageModel.fuse)."""
+        self.fast = fast
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the normalised value times (1 + weight), both in float32, then cast to the
+    model dtype (transformers' Gemma3RMSNorm; Llama's casts first, then scales in the model dtype).
+    `weight` is the checkpoint's w; the float32 scale 1 + w is made once, after loading."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.scale: torch.Tensor | None = None  # [dim] float32, 1 + weight; set by use_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        return (xf * scale).to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        if self.fast and self.scale is not None:
+            return cpu_kernels.rms_norm(h, add, self.scale, self.eps)
+        if add is not None:
+            h += add
+        return self(h)
+
+    def use_kernel(self, fast: bool) -> None:
+        self.scale = 1.0 + self.weight.detach().float()
+        # The kernel rounds the normalised value to the model dtype before it scales (Llama's
+        # order): the same as Gemma's only where that rounding is none, in float32.
+        self.fast = fast and self.weight.dtype == torch.float32
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -84,17 +118,21 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window
-        self.scale = cfg.head_dim**-0.5
+        # Gemma 3 scales by query_pre_attn_scalar ** -0.5, which need not be head_dim's.
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # Which RoPE table this layer takes: Gemma 3's sliding layers have their own base.
+        self.rope = "local" if window is not None and cfg.rope_local is not None else "global"
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = GemmaRMSNorm if cfg.gemma_norms else RMSNorm
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_sizes = [q_out, kv_out, kv_out]
-        self.qkv: Linear | QuantLinear  # set by fuse()
-        self.out: Linear | QuantLinear
+        self.qkv: AnyLinear  # set by fuse()
+        self.out: AnyLinear
         self.fast = False  # RoPE and the cache write by the CPU kernel; set by StageModel.fuse
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
@@ -117,8 +155,10 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # per head, by the CPU kernel where fast
-            q = self.q_norm.add_and_norm(q.reshape(-1, self.head_dim), None).view(n, self.num_heads, self.head_dim)
-            k = self.k_norm.add_and_norm(k.reshape(-1, self.head_dim), None).view(n, self.num_kv_heads, self.head_dim)
+            # One head's rows of the fused qkv output are a strided view, which the kernel cannot take.
+            q = self.q_norm.add_and_norm(q.reshape(-1, self.head_dim).contiguous(), None)
+            k = self.k_norm.add_and_norm(k.reshape(-1, self.head_dim).contiguous(), None)
+            q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
         if self.fast:
             cpu_kernels.rope_write_kv(q, k, v, cos, sin, md.slot_mapping, kv[0], kv[1])
         else:
@@ -134,12 +174,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up: Linear | QuantLinear  # set by fuse()
-        self.down: Linear | QuantLinear
+        self.gate_up: AnyLinear  # set by fuse()
+        self.down: AnyLinear
         self.fast = False  # SiLU(gate) * up by the CPU kernel; set by StageModel.fuse
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GELU (tanh approximation), else SiLU
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8, gated=True)
+        # `gated` lets the GEMM apply SiLU on its output: never for GELU.
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8, gated=not self.gelu)
         self.down = fuse_linears([self.down_proj], dtype, device, int8)
         del self.gate_proj, self.up_proj, self.down_proj
 
@@ -147,6 +189,9 @@ class MLP(nn.Module):
         if isinstance(self.gate_up, Linear) and self.gate_up.silu:  # its GEMM applied the SiLU
             return self.down(self.gate_up(x))
         gate_up = self.gate_up(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down(F.gelu(gate, approximate="tanh") * up)
         if self.fast:
             return self.down(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -158,8 +203,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, cfg.sliding_windows[layer_idx])
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = GemmaRMSNorm if cfg.gemma_norms else RMSNorm
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -178,14 +224,42 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm.add_and_norm(h, attn))
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: attention's and the MLP's outputs are normed too, before their residual add
+    (post_attention_layernorm here is after attention; pre_feedforward_layernorm is before the MLP)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """As DecoderLayer.forward: returns the normed MLP output, which the next layer adds."""
+        attn = self.self_attn(self.input_layernorm.add_and_norm(h, pending), cos, sin, kv, md)
+        attn = self.post_attention_layernorm.add_and_norm(attn, None)
+        mlp = self.mlp(self.pre_feedforward_layernorm.add_and_norm(h, attn))
+        return self.post_feedforward_layernorm.add_and_norm(mlp, None)
+
+
 class Backbone(nn.Module):
     """`model.*` in the checkpoint: the embedding (first stage), this stage's layers, the final norm (last)."""
 
     def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+        # nn.Embedding, or a GGUFEmbedding once fused where the checkpoint's table stays quantized
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
+        layer = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleDict({str(i): layer(cfg, i) for i in layers})
+        norm = GemmaRMSNorm if cfg.gemma_norms else RMSNorm
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
 
 
 class StageModel(nn.Module):
@@ -200,8 +274,11 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last else None
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.inv_freq_local: torch.Tensor | None = None  # Gemma 3's sliding layers' RoPE; set by fuse()
+        # Per layer in order: the RoPE table it takes ("global" or "local", see Attention).
+        self.layer_ropes = [m.rope for m in self.model.layers.modules() if isinstance(m, Attention)]
         self.windows = {cfg.sliding_windows[i] for i in layers}
-        self.head: Linear | QuantLinear | None = None  # lm_head, set by fuse()
+        self.head: AnyLinear | None = None  # lm_head, set by fuse()
         self.decode_step: DecodeStep | None = None  # the layers in one call, for decode steps; set by fuse()
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool = False) -> None:
@@ -209,6 +286,9 @@ class StageModel(nn.Module):
         quantized ones where the checkpoint's weights are, or everywhere with `int8`
         (engine/model/quantized.py)."""
         fast = cpu_kernels.available(device, dtype)
+        embed = self.model.embed_tokens
+        if embed is not None and isinstance(table := getattr(embed, "quant", None), GGUFWeight):
+            self.model.embed_tokens = GGUFEmbedding(table, dtype)  # loaded as its GGUF blocks
         layers: list[DecoderLayer] = []
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
@@ -216,44 +296,61 @@ class StageModel(nn.Module):
             layer.self_attn.fuse(dtype, device, int8)
             layer.mlp.fuse(dtype, device, int8)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
-            attn = layer.self_attn
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-            for module in (attn, layer.mlp, *norms):
-                if module is not None:
-                    module.fast = fast
+            layer.self_attn.fast = layer.mlp.fast = fast
+            for norm in layer.modules():
+                if isinstance(norm, RMSNorm):
+                    norm.use_kernel(fast)
         if self.lm_head is not None:
             self.head = fuse_linears([self.lm_head], dtype, device, int8)
             self.lm_head = None
         if self.model.norm is not None:
-            self.model.norm.fast = fast
-        self.decode_step = DecodeStep.build(layers)
+            self.model.norm.use_kernel(fast)
+        if self.cfg.rope_local is not None:  # the stage runner sets the global table, built on the meta device
+            self.inv_freq_local = rope_inv_freq(self.cfg.rope_local, self.cfg.head_dim).to(device)
+        # The C++ decode step runs the Llama family's layer only.
+        self.decode_step = None if self.cfg.gemma_norms else DecodeStep.build(layers)
 
     def forward(
         self,
         inputs: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: StageKvCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         """inputs: token ids [num_tokens] on the first stage, else hidden [num_tokens, hidden].
-        kv_cache: [num_stage_layers, 2, num_blocks, block_size, kv_heads, head_dim].
+        kv_cache: the stage's, by group; each layer reads its group's tensor and metadata (md.window
+        for sliding-window layers: engine/model/kv_cache.py).
         Returns hidden [num_tokens, hidden] (before the final norm on the last stage)."""
         # The residual stream, which the layers update in place: never the caller's tensor.
         h = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs.clone()
-        # RoPE tables in float32, then cast (as transformers does): [num_tokens, 1, head_dim]
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        sin[..., : sin.shape[-1] // 2].neg_()  # signed for apply_rope
-        if self.decode_step is not None and self.decode_step.applies(md, h.shape[0]):
-            self.decode_step(h, cos, sin, kv_cache, md)  # the same kernels as the loop below, from C++
+        if self.model.embed_tokens is not None and self.cfg.gemma_norms:
+            # Gemma scales the embedding by sqrt(hidden), rounded to the dtype first (as transformers does).
+            h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
+        # One RoPE table per kind this stage's layers use (Gemma 3's sliding layers: their own base).
+        rope = {kind: self._rope_table(kind, positions, h.dtype) for kind in set(self.layer_ropes)}
+        whole = kv_cache.whole(md)  # the decode step takes one cache: every layer here in one group
+        if self.decode_step is not None and whole is not None and self.decode_step.applies(whole[1], h.shape[0]):
+            cos, sin = rope["global"]
+            self.decode_step(h, cos, sin, *whole)  # the same kernels as the loop below, from C++
             return h
         pending = None
         for local, layer in enumerate(self.model.layers.values()):
-            pending = layer(h, pending, cos, sin, kv_cache[local], md)
+            cos, sin = rope[self.layer_ropes[local]]
+            pending = layer(h, pending, cos, sin, *kv_cache.layer(local, md))
         if pending is not None:
             h += pending
         return h
+
+    def _rope_table(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ([num_tokens, 1, head_dim]) of the `kind` ("global" or "local") RoPE,
+        in float32, then cast (as transformers does)."""
+        inv_freq = self.inv_freq_local if kind == "local" else self.inv_freq
+        assert inv_freq is not None, "the local RoPE table is made by fuse()"
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        sin[..., : sin.shape[-1] // 2].neg_()  # signed for apply_rope
+        return cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] rows to sample from -> float32 logits [n, vocab]."""

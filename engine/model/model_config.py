@@ -19,7 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA3 = "Gemma3ForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Far above any published model; they keep a corrupt config from sizing anything absurd.
 MAX_SIZE = 1 << 24  # a vocabulary, hidden or head size, head count, context length
@@ -64,6 +66,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # generation_config.json's `max_new_tokens`: how many tokens a request that names no limit gets.
     max_new_tokens: int | None = None
+    # Gemma 3's differences from the Llama family (the defaults are the Llama family's math).
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its ** -0.5; None: head_dim's
+    rope_local: RopeConfig | None = None  # RoPE of the sliding-window layers; None: `rope` on every layer
+    # Gemma's layer: RMSNorm scales by (1 + w) in float32, attention and MLP outputs are normed too
+    # (before the residual add), and the embedding is multiplied by sqrt(hidden_size).
+    gemma_norms: bool = False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -88,9 +97,13 @@ class ModelConfig:
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             _positive_int(raw, key)
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # the same function under two names
-            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        gemma = arch == GEMMA3
+        if gemma:
+            _check_gemma3(raw)
+        else:
+            act = raw.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # the same function under two names
+                raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
         if raw.get("quantization_config"):
             raise ConfigError("config.json: quantized checkpoints (quantization_config) are not supported")
         num_heads = raw["num_attention_heads"]
@@ -99,17 +112,17 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
             )
-        # Qwen3's config class defaults head_dim to 128, the others derive it.
-        derived = 128 if arch == "Qwen3ForCausalLM" else raw["hidden_size"] // num_heads
+        # Qwen3's and Gemma 3's config classes default head_dim to 128 and 256, the others derive it.
+        derived = {"Qwen3ForCausalLM": 128, GEMMA3: 256}.get(arch, raw["hidden_size"] // num_heads)
         head_dim = _positive_int(raw, "head_dim", derived)
         if head_dim < 1:
             raise ConfigError(f"config.json: hidden_size {raw['hidden_size']} is smaller than num_attention_heads")
-        rope = _parse_rope(raw, head_dim)
+        rope, rope_local = _parse_gemma3_rope(raw, head_dim) if gemma else (_parse_rope(raw, head_dim), None)
         num_layers = raw["num_hidden_layers"]
         bias = bool(raw.get("attention_bias", False))
         # Which projections carry a bias differs per family (as in transformers' modeling files).
         qkv_bias = {"LlamaForCausalLM": bias, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}.get(arch, bias)
-        o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+        o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", GEMMA3) else False
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -120,18 +133,34 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
-            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 4096),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 131072 if gemma else 4096),
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma 3's class ties by default
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
             sliding_windows=_parse_sliding_windows(raw, arch, num_layers),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_parse_eos(raw, generation or {}, raw["vocab_size"]),
             max_new_tokens=_parse_max_new_tokens(generation or {}),
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+            query_pre_attn_scalar=_positive_float(raw, "query_pre_attn_scalar", 256.0) if gemma else None,
+            rope_local=rope_local,
+            gemma_norms=gemma,
         )
+
+
+def _check_gemma3(raw: dict[str, Any]) -> None:
+    """What transformers' Gemma 3 can compute and ppserve does not: refused rather than ignored."""
+    act = raw.get("hidden_activation", "gelu_pytorch_tanh")  # Gemma3TextConfig reads this key, not hidden_act
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"config.json: hidden_activation {_shown(act)} is not supported (only 'gelu_pytorch_tanh')")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ConfigError(f"config.json: {key} is not supported (only null)")
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("config.json: use_bidirectional_attention is not supported (a causal model only)")
 
 
 def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
@@ -140,6 +169,33 @@ def _parse_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
         raise ConfigError("config.json has both rope_parameters and rope_scaling, and they differ; keep one")
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = _positive_float(params if "rope_theta" in params else raw, "rope_theta", 10000.0)
+    return _rope(params, theta, raw, head_dim)
+
+
+def _parse_gemma3_rope(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3, as Gemma3TextConfig resolves them: transformers 5 writes
+    `rope_parameters` keyed by layer type; older files write `rope_theta` and `rope_scaling` (which
+    apply to the full-attention layers only) and `rope_local_base_freq` (the sliding ones')."""
+    nested, scaling = raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(nested, dict) or not set(nested) <= set(kinds) or not isinstance(scaling, dict):
+        raise ConfigError(f"config.json: Gemma 3's rope_parameters must be keyed by layer type ({', '.join(kinds)})")
+    if not all(isinstance(nested.get(kind) or {}, dict) for kind in kinds):
+        raise ConfigError("config.json: each of Gemma 3's rope_parameters must be an object")
+    full, local = ({"rope_type": "default", **(nested.get(kind) or {})} for kind in kinds)
+    full.update(scaling)
+    if full.get("type", full["rope_type"]) != full["rope_type"]:  # transformers would keep rope_type
+        raise ConfigError(f"config.json: rope type {full['type']!r} and rope_type {full['rope_type']!r} differ")
+    full_theta = _positive_float(full if "rope_theta" in full else raw, "rope_theta", 1_000_000.0)
+    if "rope_theta" in local:
+        local_theta = _positive_float(local, "rope_theta")
+    else:
+        local_theta = _positive_float(raw, "rope_local_base_freq", 10_000.0)
+    return _rope(full, full_theta, raw, head_dim), _rope(local, local_theta, raw, head_dim)
+
+
+def _rope(params: dict[str, Any], theta: float, raw: dict[str, Any], head_dim: int) -> RopeConfig:
+    """One RoPE from its parameters (rope_type, factor, ...) and base `theta`."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
@@ -185,6 +241,10 @@ def _parse_sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> t
         return (window,) * num_layers  # Mistral applies its window to every layer
     # Qwen: transformers 5 lists each layer's kind in layer_types (derived from use_sliding_window).
     layer_types = raw.get("layer_types")
+    if layer_types is None and arch == GEMMA3:
+        # Gemma3TextConfig's default: every `sliding_window_pattern`-th layer global, the others sliding.
+        pattern = _positive_int(raw, "sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if layer_types is None:
         if not raw.get("use_sliding_window", False):
             return (None,) * num_layers

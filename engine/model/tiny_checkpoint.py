@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_TEMPLATE = (
@@ -47,7 +48,7 @@ class TinySpec:
     head_dim: int | None = None
     max_position_embeddings: int = 2048
     rope_scaling: str = "none"  # none | linear | llama3
-    sliding_window: int | None = None  # mistral only
+    sliding_window: int | None = None  # mistral and gemma3 (its sliding layers)
     dtype: str = "float32"
     max_shard_size: str | None = None  # e.g. "200KB" to write several shards
     init_std: float = 0.1  # larger than transformers' 0.02 so logits are well separated
@@ -120,6 +121,13 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Pa
     kwargs: dict[str, object] = {}
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
+    if spec.arch == "gemma3":
+        config_cls = transformers.Gemma3TextConfig  # Gemma3Config is the multimodal model's
+        # Global layers with rope_scaling's RoPE, sliding ones with their own base; every second
+        # layer global (overrides may name layer_types or sliding_window_pattern instead).
+        local = {"rope_type": "default", "rope_theta": 10_000.0}
+        rope = {"full_attention": {**rope, "rope_theta": 1_000_000.0}, "sliding_attention": local}
+        kwargs |= {"sliding_window": spec.sliding_window or 4096, "sliding_window_pattern": 2}
     kwargs.update(dict(spec.overrides))
     config = config_cls(
         vocab_size=spec.vocab_size,
@@ -142,10 +150,12 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Pa
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     with torch.no_grad():
-        # Random norm weights (they are ones at init) so that a wrong norm shows in the logits.
+        # Random norm weights (they are ones at init) so that a wrong norm shows in the logits;
+        # Gemma's scale by (1 + w), so theirs are around zero (zeros at init).
+        low = -0.5 if spec.arch == "gemma3" else 0.5
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(low, low + 1.0)
             elif name.endswith("bias"):
                 p.normal_(0.0, spec.init_std)
     save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}

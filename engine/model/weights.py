@@ -8,7 +8,7 @@ import re
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,13 +22,16 @@ from ppserve.engine.model.gguf_checkpoint import (
     read_gguf_quantized,
     read_gguf_tensors,
 )
+from ppserve.engine.model.gguf_quant import BLOCKS, gguf_kernels_available
 from ppserve.engine.model.model import StageModel
 from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.quantized import GGUF_KEPT
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_SOURCE = "model.embed_tokens.weight"
-_LINEAR = re.compile(r"(_proj|^lm_head)\.weight$")  # the weights a quantized linear can take
+LINEAR = re.compile(r"(_proj|^lm_head)\.weight$")  # the weights a quantized linear can take
+QUANT_TAKERS = re.compile(r"(_proj|^lm_head|^model\.embed_tokens)\.weight$")  # ... and GGUFEmbedding
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, str]:
@@ -50,6 +53,15 @@ def checkpoint_files(model_dir: Path) -> dict[str, str]:
     raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
+def kept_quantized(device: torch.device, dtype: torch.dtype) -> tuple[Collection[str], re.Pattern[str]]:
+    """With `--quantization auto`: the GGML types a GGUF's tensors keep, and the parameters that
+    take them. They run as their blocks where that kernel is built, embeddings too; else only the
+    types QuantLinear takes, in linears (engine/model/linear.py decides which of the two runs them)."""
+    if gguf_kernels_available(device, dtype):
+        return BLOCKS, QUANT_TAKERS
+    return GGUF_KEPT, LINEAR
+
+
 def load_stage_weights(
     stage: StageModel, model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> None:
@@ -58,14 +70,16 @@ def load_stage_weights(
     A missing tensor or one of the wrong shape is an error naming it. With tied embeddings the
     last stage reads `lm_head.weight` from the embedding (sharing the same tensor when the stage
     also embeds). With `quantization` "auto", a GGUF's linear weights of a type a quantized linear
-    runs (engine/model/quantized.py) are kept so: each is set as its module's `quant` (the module's
+    runs (engine/model/gguf_quant.py, quantized.py) are kept so, and where GGUF blocks run, the
+    embedding too: each is set as its module's `quant` (the module's
     float weight is never loaded) for `StageModel.fuse` to take.
     """
     model_dir = Path(model_dir)
     gguf = is_prepared_gguf(model_dir)
     where = {} if gguf else checkpoint_files(model_dir)
     available = gguf_tensor_names(model_dir) if gguf else set(where)
-    kept = gguf_kept_quantized(model_dir) if gguf and quantization == "auto" else set()
+    kept_types, takes_quant = kept_quantized(device, dtype)
+    kept = gguf_kept_quantized(model_dir, kept_types) if gguf and quantization == "auto" else set()
     tied = stage.cfg.tie_word_embeddings
     wanted = {name: p for name, p in stage.named_parameters(remove_duplicate=False)}
     # source tensor name -> our parameter names that take it, as floats or kept quantized
@@ -73,7 +87,7 @@ def load_stage_weights(
     quantized: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
         src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in available else name
-        (quantized if src in kept and _LINEAR.search(name) else sources)[src].append(name)
+        (quantized if src in kept and takes_quant.search(name) else sources)[src].append(name)
     missing = sorted(src for src in {*sources, *quantized} if src not in available)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")

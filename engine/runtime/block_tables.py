@@ -11,6 +11,11 @@ request's whole table again.
 Tables are rows of one int64 tensor on the CPU, so that a micro-batch's tables are one
 index_select, never a Python list per request or per block: per-step work grows with the batch
 (and a memory copy of its tables), not with the Python objects of every request's context.
+
+A model with sliding-window layers has a second set of tables, over their own blocks
+(`windowed`: read from each chunk's `window_blocks`). There the scheduler frees the blocks that
+slide out without telling the stages: their entries keep stale ids (or 0, where a whole table
+came with -1 in them), which attention never reads (AttentionMetadata.with_window).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class UnknownRequestError(RuntimeError):
 
 
 class BlockTables:
-    def __init__(self, rows: int = 64, width: int = 64) -> None:
+    def __init__(self, rows: int = 64, width: int = 64, windowed: bool = False) -> None:
+        self.windowed = windowed
         # table: [rows, width] long; row r holds its request's blocks in [0, length[r]), zeros after
         # (a valid block id, like the padding the attention expects).
         self._table = torch.zeros((rows, width), dtype=torch.long)
@@ -57,7 +63,8 @@ class BlockTables:
         for chunk in plan.chunks:
             if chunk.new_table:
                 self.drop(chunk.request_id)
-            self.append(chunk.request_id, chunk.blocks, create=chunk.new_table)
+            blocks = chunk.window_blocks if self.windowed else chunk.blocks
+            self.append(chunk.request_id, blocks, create=chunk.new_table)
 
     def append(self, request_id: str, blocks: Sequence[int], create: bool = True) -> None:
         """Add blocks to a request's table; a request without one gets one if `create`, else
@@ -74,7 +81,7 @@ class BlockTables:
         end = start + len(blocks)
         if end > self._table.shape[1]:
             self._grow(width=max(end, 2 * self._table.shape[1]))
-        self._table[row, start:end] = torch.tensor(blocks, dtype=torch.long)
+        self._table[row, start:end] = torch.tensor(blocks, dtype=torch.long).clamp_(min=0)  # -1: slid out
         self._length[row] = end
 
     def drop(self, request_id: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, padded_tables
-from ppserve.engine.model.kv_cache import allocate_kv_cache
+from ppserve.engine.model.kv_cache import StageKvCache, windowed_layers
 from ppserve.engine.model.model import StageModel, rope_inv_freq
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.weights import load_stage_weights
@@ -42,16 +42,24 @@ class StageRunner:
         self.model = model.eval()
         self.gather_buffers = GatherBuffers()
         self.tables = BlockTables()  # each request's KV blocks, kept between plans
+        # A model with sliding-window layers: their blocks' tables (engine/model/kv_cache.py).
+        self.window_tables = BlockTables(windowed=True) if config.kv_window is not None else None
         self.tokens_computed = 0  # rows through this stage's layers, since start (metrics, tests)
+        windows = [mc.sliding_windows[i] for i in self.layers]
+        flags = windowed_layers(windows, config.kv_window)
+        # The windows each group's metadata makes masks for: (the full group's, the windowed group's).
+        self.windows = tuple({w for w, f in zip(windows, flags, strict=True) if f == g} for g in (False, True))
         try:
-            self.kv_cache = allocate_kv_cache(
-                mc, len(self.layers), config.num_kv_blocks, config.block_size, config.torch_dtype, self.device
-            )
+            self.kv = StageKvCache.allocate(
+                mc, flags, config.num_kv_blocks, config.num_window_blocks, config.block_size, config.torch_dtype,
+                self.device,
+            )  # fmt: skip
         except (RuntimeError, MemoryError) as e:
             raise ConfigError(
                 f"cannot allocate the KV cache of stage {stage} ({config.num_kv_blocks} blocks) on "
                 f"{config.device}: {e}; lower --kv-cache-gb"
             ) from None
+        self.kv_cache = self.kv.full  # the full-attention layers' (every layer's, in a model without windows)
 
     def execute_plan(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()
@@ -59,11 +67,15 @@ class StageRunner:
         """Run a scheduler's plan: apply its block-table changes, then run its chunks with the
         tables this stage keeps. Plans must come in the order they were built (see BlockTables)."""
         self.tables.apply(plan)
+        if self.window_tables is not None:
+            self.window_tables.apply(plan)
         return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows, tables=self.tables)
 
     def clear_tables(self) -> None:
         """Forget every request's table: the plans so far are void (the pipeline was reset)."""
         self.tables.clear()
+        if self.window_tables is not None:
+            self.window_tables.clear()
 
     @torch.inference_mode()
     def execute(
@@ -75,8 +87,8 @@ class StageRunner:
         tables: BlockTables | None = None,
     ) -> torch.Tensor:
         """Run one micro-batch through this stage. `tables`: where the chunks' requests' block
-        tables are (`execute_plan` passes the kept ones); None: each chunk's `blocks` is its
-        whole table.
+        tables are (`execute_plan` passes the kept ones, and the windowed group's are kept beside
+        them); None: each chunk's `blocks` is its whole table, in either group.
 
         First stage: reads `chunks[i].token_ids`; other stages: `hidden` [num_tokens, hidden_size]
         from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
@@ -85,27 +97,28 @@ class StageRunner:
         prompt logprobs); `all_logits`: every row, [num_tokens, vocab].
         """
         device = self.device
+        ids = [c.request_id for c in chunks]
         if tables is None:
             block_tables, lengths = padded_tables([c.blocks for c in chunks])
         else:
-            block_tables, lengths = tables.lookup([c.request_id for c in chunks])
+            block_tables, lengths = tables.lookup(ids)
+        starts, num_new, bs = [c.start for c in chunks], [c.num_new for c in chunks], self.config.block_size
         md = AttentionMetadata.from_tables(
-            [c.start for c in chunks],
-            [c.num_new for c in chunks],
-            block_tables,
-            lengths,
-            self.config.block_size,
-            device,
-            self.model.windows,
-            self.gather_buffers,
+            starts, num_new, block_tables, lengths, bs, device, self.windows[0], self.gather_buffers
         )
+        if self.config.kv_window is not None and self.windows[1]:  # this stage has windowed layers
+            if tables is not None and self.window_tables is not None:
+                window = self.window_tables.lookup(ids)
+            else:  # given whole, a chunk's `blocks` is its table in either group
+                window = block_tables, lengths
+            md = md.with_window(*window, starts, num_new, bs, self.config.kv_window, self.windows[1])
         if self.first:
             inputs = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs hidden states from stage {self.stage - 1}")
             inputs = hidden.to(device)
-        h = self.model(inputs, md.positions, self.kv_cache, md)
+        h = self.model(inputs, md.positions, self.kv, md)
         self.tokens_computed += h.shape[0]
         if not self.last:
             return h

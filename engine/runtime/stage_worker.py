@@ -322,7 +322,8 @@ class StageWorker:
     def _profile(self) -> list[tuple[int, int, float]]:
         """Compute thread: time prefills for the host's chunk-size model."""
         cfg = self.config
-        points = profile_points(cfg.chunked_prefill_size, min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size))
+        blocks = min(cfg.num_kv_blocks, cfg.num_window_blocks or cfg.num_kv_blocks)  # its ids index either group
+        points = profile_points(cfg.chunked_prefill_size, min(cfg.max_model_len, blocks * cfg.block_size))
         hidden = (cfg.model_config.hidden_size, cfg.torch_dtype) if self.stage > 0 else None
         return run_profile(self.runner.execute, points, cfg.block_size, hidden)
 
@@ -469,6 +470,8 @@ def _watch_loop(stage: int, bound_ms: float) -> None:
 def _make_runner(config: EngineConfig, stage: int) -> StageRunner | SyntheticRunner:
     if config.synthetic_latency is not None:
         return SyntheticRunner(config, stage)
+    from ppserve.engine.runtime.memory_check import check_stage_memory
     from ppserve.engine.runtime.stage_runner import StageRunner
 
+    check_stage_memory(config, stage)  # a stage too big for this node: one line now, not an OOM kill later
     return StageRunner(config, stage)

@@ -1,0 +1,361 @@
+// GGUF's quantized block formats run as they lie in the file (engine/model/gguf_quant.py): a linear
+// y = x @ W.T + b and an embedding lookup, for W: [N, K] rows of blocks of one GGML type.
+//
+// Every type is first unpacked, one output row at a time, into what they all share: int8 values q
+// in groups of 16 with a float scale s and offset o each, w = s * q + o:
+//   Q8_0  q          s = d          o = 0          (blocks of 32)
+//   Q4_0  nibble - 8 s = d          o = 0
+//   Q4_1  nibble     s = d          o = m
+//   Q5_0  5 bits - 16, Q5_1 5 bits (as Q4_0 / Q4_1)
+//   Q4_K  nibble     s = d * sc_j   o = -dmin * m_j (super-blocks of 256: 8 sub-blocks of 32,
+//   Q5_K  5 bits     (as Q4_K)                      6-bit sc_j and m_j)
+//   Q6_K  6 bits - 32  s = d * sc_j  o = 0         (16 sub-blocks of 16, int8 sc_j)
+// The activations are rounded to int8 in blocks of 32 with a float scale, as llama.cpp rounds
+// them for its quantized dot products, and kept with their sums per 16 (for the offsets). Then
+//   y[m][n] = sum over blocks of 32: dx * (s_lo * <q, qx>_lo + s_hi * <q, qx>_hi)
+//           + sum over groups of 16: o_g * dx * sum(qx_g)
+// The integer dot products are AVX2's u8 x s8 multiply-adds (|q| in the unsigned operand, q's
+// sign moved onto qx), in 8 lanes: lanes 0-3 sum the block's first 16 products, 4-7 the last 16.
+// A row's result is the same whatever else is in the batch (each output one sum in a fixed order),
+// so a request's tokens do not depend on how the pipeline batched it.
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace ppserve;
+
+enum Type : int64_t { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+
+float half(const uint8_t* p) {  // IEEE float16, little-endian
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {  // zero or subnormal: exact in float32
+    float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Bytes per block and values per block of each type (ggml's block_* structs).
+int64_t block_bytes(int64_t t) {
+  static const int64_t bytes[] = {18, 20, 22, 24, 34, 144, 176, 210};
+  return bytes[t];
+}
+int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
+
+// A K-quant's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX2__)
+// 16 bytes of nibbles as 32 values: the low nibbles (values 0-15), then the high ones (16-31).
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// Byte j is 0x10 where bit j of x is set (the fifth bit of Q5_0 / Q5_1 value j).
+inline __m256i fifth_bits(uint32_t x) {
+  const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), byte_of);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+// Bits [shift, shift + width) of each byte, moved to bit 4 (a K-quant's high bits).
+inline __m256i high_bits(__m256i v, int shift, int width) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>((1 << width) - 1));
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), m), 4);
+}
+inline void store32(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+// A block's values as int8 q (see the top of the file): q [values of the block].
+void unpack_values(int64_t t, const uint8_t* b, int8_t* q) {
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  if (t == Q8_0) {
+    std::memcpy(q, b + 2, 32);
+  } else if (t == Q4_0 || t == Q4_1) {
+    const __m256i v = nibbles(b + (t == Q4_1 ? 4 : 2));
+    store32(q, t == Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v);
+  } else if (t == Q5_0 || t == Q5_1) {
+    const int at = t == Q5_1 ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, b + at, 4);
+    const __m256i v = _mm256_or_si256(nibbles(b + at + 4), fifth_bits(qh));
+    store32(q, t == Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v);
+  } else if (t == Q4_K || t == Q5_K) {
+    const uint8_t* qs = b + 16 + (t == Q5_K ? 32 : 0);
+    for (int j = 0; j < 4; ++j) {  // 64 values: sub-block 2j the low nibbles, 2j + 1 the high ones
+      const __m256i v = load32(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (t == Q5_K) {
+        const __m256i h = load32(b + 16);
+        lo = _mm256_or_si256(lo, high_bits(h, 2 * j, 1));
+        hi = _mm256_or_si256(hi, high_bits(h, 2 * j + 1, 1));
+      }
+      store32(q + 64 * j, lo);
+      store32(q + 64 * j + 32, hi);
+    }
+  } else {  // Q6_K: per 128 values, ql [64] (low 4 bits) and qh [32] (2 high bits each)
+    const __m256i bias = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
+      int8_t* y = q + 128 * h;
+      store32(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), high_bits(hb, 0, 2)), bias));
+      store32(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), high_bits(hb, 2, 2)), bias));
+      const __m256i u0 = _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4);
+      const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4);
+      store32(y + 64, _mm256_sub_epi8(_mm256_or_si256(u0, high_bits(hb, 4, 2)), bias));
+      store32(y + 96, _mm256_sub_epi8(_mm256_or_si256(u1, high_bits(hb, 6, 2)), bias));
+    }
+  }
+#else
+  if (t == Q8_0) {
+    std::memcpy(q, b + 2, 32);
+  } else if (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1) {
+    const bool has_min = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
+    const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, b + 2 + (has_min ? 2 : 0), 4);
+    const int bias = has_min ? 0 : (five ? 16 : 8);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(((qs[j] & 0xf) | (((qh >> j) & 1) << 4)) - bias);
+      q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+    }
+  } else if (t == Q4_K || t == Q5_K) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 16 + (t == Q5_K ? 32 : 0);
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * j + l] & 0xf, hi = qs[32 * j + l] >> 4;
+        if (t == Q5_K) {
+          lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        }
+        q[64 * j + l] = static_cast<int8_t>(lo);
+        q[64 * j + 32 + l] = static_cast<int8_t>(hi);
+      }
+    }
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* l8 = b + 64 * h;
+      const uint8_t* h8 = b + 128 + 32 * h;
+      int8_t* y = q + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = static_cast<int8_t>(((l8[l] & 0xf) | (((h8[l] >> 0) & 3) << 4)) - 32);
+        y[l + 32] = static_cast<int8_t>(((l8[l + 32] & 0xf) | (((h8[l] >> 2) & 3) << 4)) - 32);
+        y[l + 64] = static_cast<int8_t>(((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4)) - 32);
+        y[l + 96] = static_cast<int8_t>(((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+#endif
+}
+
+// A block's scales and offsets per group of 16 values: s, o [values of the block / 16].
+void unpack_scales(int64_t t, const uint8_t* b, float* s, float* o) {
+  if (t < Q4_K) {
+    s[0] = s[1] = half(b);
+    o[0] = o[1] = (t == Q4_1 || t == Q5_1) ? half(b + 2) : 0.0f;
+  } else if (t == Q4_K || t == Q5_K) {
+    const float d = half(b), dmin = half(b + 2);
+    for (int j = 0; j < 8; ++j) {  // sub-block j of 32: groups 2j and 2j + 1
+      int sc, m;
+      scale_min_k4(j, b + 4, &sc, &m);
+      s[2 * j] = s[2 * j + 1] = d * static_cast<float>(sc);
+      o[2 * j] = o[2 * j + 1] = -(dmin * static_cast<float>(m));
+    }
+  } else {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half(b + 208);
+    for (int g = 0; g < 16; ++g) {
+      s[g] = d * static_cast<float>(sc[g]);
+      o[g] = 0.0f;
+    }
+  }
+}
+
+// One row of K values: q [K], scale and offset [K / 16].
+void unpack_row(int64_t t, const uint8_t* b, int64_t K, int8_t* q, float* s, float* o) {
+  const int64_t v = block_values(t), n = K / v;
+  for (int64_t i = 0; i < n; ++i, b += block_bytes(t)) {
+    unpack_values(t, b, q + i * v);
+    unpack_scales(t, b, s + i * v / 16, o + i * v / 16);
+  }
+}
+
+// x rounded to int8 per block of 32 (scale amax / 127), with each group of 16's sum times the
+// scale: q [K], d [K / 32], sums [K / 16].
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float v[32], amax = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = to_float(x[32 * b + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    int sum[2] = {0, 0};
+    for (int j = 0; j < 32; ++j) {
+      const int r = static_cast<int>(std::nearbyint(v[j] * inv));
+      q[32 * b + j] = static_cast<int8_t>(r);
+      sum[j / 16] += r;
+    }
+    d[b] = scale;
+    sums[2 * b] = scale * static_cast<float>(sum[0]);
+    sums[2 * b + 1] = scale * static_cast<float>(sum[1]);
+  }
+}
+
+struct QuantRows {  // the activations as quantize_row leaves them, row-major
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+};
+
+// Rows r0 .. r0 + R of the activations against one unpacked weight row: out[r] (without bias).
+// ws8: the row's scales as the 8 lanes take them, per block of 32: 4 x the first group's, 4 x the
+// second's. Each row's sum runs in the same order whatever R is.
+template <int R>
+void dot_rows(const QuantRows& x, int64_t r0, int64_t K, const int8_t* wq, const float* ws8, const float* wo,
+              float* out) {
+  const int64_t blocks = K / 32;
+  for (int r = 0; r < R; ++r) {
+    const float* xs = x.sums.data() + (r0 + r) * (K / 16);
+    float offset = 0.0f;
+    for (int64_t g = 0; g < K / 16; ++g) offset += wo[g] * xs[g];
+    out[r] = offset;
+  }
+#if defined(__AVX2__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * b));
+    const __m256i w_abs = _mm256_sign_epi8(w, w);
+    const __m256 ws = _mm256_loadu_ps(ws8 + 8 * b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q.data() + (r0 + r) * K + 32 * b;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i prod = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
+      const __m256i sums = _mm256_madd_epi16(prod, ones);  // lanes 0-3: first 16; 4-7: last 16
+      const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.d[(r0 + r) * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    out[r] += _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.q.data() + (r0 + r) * K;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int lo = 0, hi = 0;
+      for (int j = 0; j < 16; ++j) lo += wq[32 * b + j] * xq[32 * b + j];
+      for (int j = 16; j < 32; ++j) hi += wq[32 * b + j] * xq[32 * b + j];
+      const float dx = x.d[(r0 + r) * blocks + b];
+      acc += (ws8[8 * b] * static_cast<float>(lo) + ws8[8 * b + 4] * static_cast<float>(hi)) * dx;
+    }
+    out[r] += acc;
+  }
+#endif
+}
+
+thread_local QuantRows t_rows;
+
+// y [M, N] = x [M, K] @ W.T (+ bias), W the concatenation of `parts` weights of rows[p] rows each.
+template <typename T>
+void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types, const uint8_t* const* weights,
+                 const int64_t* rows, const T* bias, T* y) {
+  QuantRows& xq = t_rows;  // the calling thread's: its size follows the largest batch seen
+  xq.q.resize(M * K);
+  xq.d.resize(M * K / 32);
+  xq.sums.resize(M * K / 16);
+#pragma omp parallel for schedule(static) if (M * K >= kParallelElements)
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 16);
+  }
+  int64_t N = 0;
+  for (int64_t p = 0; p < parts; ++p) N += rows[p];
+#pragma omp parallel
+  {
+    std::vector<int8_t> wq(K);
+    std::vector<float> ws(K / 16), wo(K / 16), ws8(K / 4), out(4);
+    int64_t first = 0;
+    for (int64_t p = 0; p < parts; first += rows[p], ++p) {
+      const int64_t row_bytes = K / block_values(types[p]) * block_bytes(types[p]);
+#pragma omp for schedule(static) nowait
+      for (int64_t n = 0; n < rows[p]; ++n) {
+        unpack_row(types[p], weights[p] + n * row_bytes, K, wq.data(), ws.data(), wo.data());
+        for (int64_t g = 0; g < K / 16; ++g) std::fill_n(ws8.data() + 4 * g, 4, ws[g]);
+        const float b = bias ? to_float(bias[first + n]) : 0.0f;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+          dot_rows<4>(xq, m, K, wq.data(), ws8.data(), wo.data(), out.data());
+          for (int r = 0; r < 4; ++r) store(y + (m + r) * N + first + n, out[r] + b);
+        }
+        for (; m < M; ++m) {
+          dot_rows<1>(xq, m, K, wq.data(), ws8.data(), wo.data(), out.data());
+          store(y + m * N + first + n, out[0] + b);
+        }
+      }
+    }
+  }
+}
+
+// out [n, K] = rows ids of W [*, K] dequantized (an embedding lookup).
+template <typename T>
+void gguf_rows(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, T* out) {
+  const int64_t row_bytes = K / block_values(type) * block_bytes(type);
+#pragma omp parallel if (n * K >= kParallelElements)
+  {
+    std::vector<int8_t> q(K);
+    std::vector<float> s(K / 16), o(K / 16);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      unpack_row(type, w + ids[i] * row_bytes, K, q.data(), s.data(), o.data());
+      for (int64_t k = 0; k < K; ++k) store(out + i * K + k, s[k / 16] * static_cast<float>(q[k]) + o[k / 16]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define PPSERVE_GGUF_KERNELS(suffix, T)                                                                          \
+  void gguf_linear_##suffix(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types,                \
+                            const uint8_t* const* weights, const int64_t* rows, const T* bias, T* y) {            \
+    gguf_linear(x, M, K, parts, types, weights, rows, bias, y);                                                  \
+  }                                                                                                              \
+  void gguf_rows_##suffix(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, T* out) {     \
+    gguf_rows(type, w, K, ids, n, out);                                                                          \
+  }
+
+PPSERVE_GGUF_KERNELS(f32, float)
+PPSERVE_GGUF_KERNELS(bf16, uint16_t)
+
+}  // extern "C"
