@@ -21,7 +21,7 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +34,9 @@ enum Type : int64_t { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
 float half(const uint8_t* p) {  // IEEE float16, little-endian
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -50,11 +53,13 @@ float half(const uint8_t* p) {  // IEEE float16, little-endian
 }
 
 // Bytes per block and values per block of each type (ggml's block_* structs).
-int64_t block_bytes(int64_t t) {
-  static const int64_t bytes[] = {18, 20, 22, 24, 34, 144, 176, 210};
+constexpr int64_t block_bytes(int64_t t) {
+  constexpr int64_t bytes[] = {18, 20, 22, 24, 34, 144, 176, 210};
   return bytes[t];
 }
-int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
+constexpr int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
+// Whether w = s * q + o has offsets o at all (the others' are zero, and skipped).
+constexpr bool has_offsets(int64_t t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
 
 // A K-quant's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
 void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
@@ -89,51 +94,45 @@ inline void store32(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
-// A block's values as int8 q (see the top of the file): q [values of the block].
-void unpack_values(int64_t t, const uint8_t* b, int8_t* q) {
 #if defined(__AVX2__)
+// Values 32j .. 32j + 31 of a block of type t as int8 q (see the top of the file), in a register.
+template <int64_t t>
+inline __m256i values32(const uint8_t* b, int64_t j) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  if (t == Q8_0) {
-    std::memcpy(q, b + 2, 32);
-  } else if (t == Q4_0 || t == Q4_1) {
+  if constexpr (t == Q8_0) {
+    return load32(b + 2);
+  } else if constexpr (t == Q4_0 || t == Q4_1) {
     const __m256i v = nibbles(b + (t == Q4_1 ? 4 : 2));
-    store32(q, t == Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v);
-  } else if (t == Q5_0 || t == Q5_1) {
-    const int at = t == Q5_1 ? 4 : 2;
+    return t == Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+  } else if constexpr (t == Q5_0 || t == Q5_1) {
+    constexpr int at = t == Q5_1 ? 4 : 2;
     uint32_t qh;
     std::memcpy(&qh, b + at, 4);
     const __m256i v = _mm256_or_si256(nibbles(b + at + 4), fifth_bits(qh));
-    store32(q, t == Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v);
-  } else if (t == Q4_K || t == Q5_K) {
-    const uint8_t* qs = b + 16 + (t == Q5_K ? 32 : 0);
-    for (int j = 0; j < 4; ++j) {  // 64 values: sub-block 2j the low nibbles, 2j + 1 the high ones
-      const __m256i v = load32(qs + 32 * j);
-      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (t == Q5_K) {
-        const __m256i h = load32(b + 16);
-        lo = _mm256_or_si256(lo, high_bits(h, 2 * j, 1));
-        hi = _mm256_or_si256(hi, high_bits(h, 2 * j + 1, 1));
-      }
-      store32(q + 64 * j, lo);
-      store32(q + 64 * j + 32, hi);
-    }
+    return t == Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+  } else if constexpr (t == Q4_K || t == Q5_K) {  // sub-block j: the low (j even) or high nibbles of 32 bytes
+    const __m256i v = load32(b + 16 + (t == Q5_K ? 32 : 0) + 32 * (j / 2));
+    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+    if constexpr (t == Q5_K) q = _mm256_or_si256(q, high_bits(load32(b + 16), static_cast<int>(j), 1));
+    return q;
   } else {  // Q6_K: per 128 values, ql [64] (low 4 bits) and qh [32] (2 high bits each)
-    const __m256i bias = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hb = load32(b + 128 + 32 * h);
-      int8_t* y = q + 128 * h;
-      store32(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, low4), high_bits(hb, 0, 2)), bias));
-      store32(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, low4), high_bits(hb, 2, 2)), bias));
-      const __m256i u0 = _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4);
-      const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4);
-      store32(y + 64, _mm256_sub_epi8(_mm256_or_si256(u0, high_bits(hb, 4, 2)), bias));
-      store32(y + 96, _mm256_sub_epi8(_mm256_or_si256(u1, high_bits(hb, 6, 2)), bias));
-    }
+    const int64_t h = j / 4, k = j % 4;  // values 128h + 32k ..
+    const __m256i l = load32(b + 64 * h + 32 * (k % 2)), hb = load32(b + 128 + 32 * h);
+    const __m256i lo = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), low4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, high_bits(hb, 2 * static_cast<int>(k), 2)), _mm256_set1_epi8(32));
   }
+}
+#endif
+
+// A block's values as int8 q (see the top of the file): q [values of the block].
+template <int64_t t>
+void unpack_values(const uint8_t* b, int8_t* q) {
+#if defined(__AVX2__)
+  for (int64_t j = 0; j < block_values(t) / 32; ++j) store32(q + 32 * j, values32<t>(b, j));
 #else
-  if (t == Q8_0) {
+  if constexpr (t == Q8_0) {
     std::memcpy(q, b + 2, 32);
-  } else if (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1) {
+  } else if constexpr (t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1) {
     const bool has_min = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
     const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
     uint32_t qh = 0;
@@ -143,7 +142,7 @@ void unpack_values(int64_t t, const uint8_t* b, int8_t* q) {
       q[j] = static_cast<int8_t>(((qs[j] & 0xf) | (((qh >> j) & 1) << 4)) - bias);
       q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
     }
-  } else if (t == Q4_K || t == Q5_K) {
+  } else if constexpr (t == Q4_K || t == Q5_K) {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 16 + (t == Q5_K ? 32 : 0);
     for (int j = 0; j < 4; ++j) {
@@ -174,11 +173,12 @@ void unpack_values(int64_t t, const uint8_t* b, int8_t* q) {
 }
 
 // A block's scales and offsets per group of 16 values: s, o [values of the block / 16].
-void unpack_scales(int64_t t, const uint8_t* b, float* s, float* o) {
-  if (t < Q4_K) {
+template <int64_t t>
+void unpack_scales(const uint8_t* b, float* s, float* o) {
+  if constexpr (t < Q4_K) {
     s[0] = s[1] = half(b);
     o[0] = o[1] = (t == Q4_1 || t == Q5_1) ? half(b + 2) : 0.0f;
-  } else if (t == Q4_K || t == Q5_K) {
+  } else if constexpr (t == Q4_K || t == Q5_K) {
     const float d = half(b), dmin = half(b + 2);
     for (int j = 0; j < 8; ++j) {  // sub-block j of 32: groups 2j and 2j + 1
       int sc, m;
@@ -196,14 +196,20 @@ void unpack_scales(int64_t t, const uint8_t* b, float* s, float* o) {
   }
 }
 
-// One row of K values: q [K], scale and offset [K / 16].
-void unpack_row(int64_t t, const uint8_t* b, int64_t K, int8_t* q, float* s, float* o) {
+// One row of K values of type t: q [K], scale and offset [K / 16].
+template <int64_t t>
+void unpack_row_of(const uint8_t* b, int64_t K, int8_t* q, float* s, float* o) {
   const int64_t v = block_values(t), n = K / v;
   for (int64_t i = 0; i < n; ++i, b += block_bytes(t)) {
-    unpack_values(t, b, q + i * v);
-    unpack_scales(t, b, s + i * v / 16, o + i * v / 16);
+    unpack_values<t>(b, q + i * v);
+    unpack_scales<t>(b, s + i * v / 16, o + i * v / 16);
   }
 }
+
+using UnpackRow = void (*)(const uint8_t*, int64_t, int8_t*, float*, float*);
+// By type, so that the per-block code has no branch on it.
+const UnpackRow kUnpackRow[] = {unpack_row_of<Q4_0>, unpack_row_of<Q4_1>, unpack_row_of<Q5_0>, unpack_row_of<Q5_1>,
+                                unpack_row_of<Q8_0>, unpack_row_of<Q4_K>, unpack_row_of<Q5_K>, unpack_row_of<Q6_K>};
 
 // x rounded to int8 per block of 32 (scale amax / 127), with each group of 16's sum times the
 // scale: q [K], d [K / 32], sums [K / 16].
@@ -233,56 +239,117 @@ struct QuantRows {  // the activations as quantize_row leaves them, row-major
   std::vector<float> d, sums;
 };
 
-// Rows r0 .. r0 + R of the activations against one unpacked weight row: out[r] (without bias).
-// ws8: the row's scales as the 8 lanes take them, per block of 32: 4 x the first group's, 4 x the
-// second's. Each row's sum runs in the same order whatever R is.
-template <int R>
-void dot_rows(const QuantRows& x, int64_t r0, int64_t K, const int8_t* wq, const float* ws8, const float* wo,
-              float* out) {
-  const int64_t blocks = K / 32;
-  for (int r = 0; r < R; ++r) {
-    const float* xs = x.sums.data() + (r0 + r) * (K / 16);
-    float offset = 0.0f;
-    for (int64_t g = 0; g < K / 16; ++g) offset += wo[g] * xs[g];
-    out[r] = offset;
-  }
 #if defined(__AVX2__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * b));
-    const __m256i w_abs = _mm256_sign_epi8(w, w);
-    const __m256 ws = _mm256_loadu_ps(ws8 + 8 * b);
+using Acc = __m256;  // a row's running sum: 8 lanes, summed at the end
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#else
+using Acc = float;
+inline Acc acc_zero() { return 0.0f; }
+inline float acc_sum(Acc a) { return a; }
+#endif
+
+// Block i of type t (its values q: unpacked, or with AVX2 the raw block, unpacked here 32 at a
+// time; scales s and offsets o per 16) against rows r0 .. r0 + R of the activations, added into
+// acc[r] and off[r]. Every row's sums run in the same order whatever R is and however the caller
+// keeps acc, so a row's result does not depend on its batch.
+template <int64_t t, int R, bool raw = false>
+inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x, int64_t r0,
+                      int64_t K, Acc* acc, float* off) {
+  constexpr int64_t V = block_values(t);
+  const int64_t blocks = K / 32;
+  for (int64_t j = 0; j < V / 32; ++j) {
+    const int64_t b = i * (V / 32) + j;  // the block of 32 along the row
+#if defined(__AVX2__)
+    const __m256i wv = raw ? values32<t>(static_cast<const uint8_t*>(q), j)
+                           : _mm256_load_si256(static_cast<const __m256i*>(q) + j);
+    const __m256i w_abs = _mm256_sign_epi8(wv, wv), ones = _mm256_set1_epi16(1);
+    // Only Q6_K has two scales in a block of 32.
+    const __m256 ws = t == Q6_K ? _mm256_set_m128(_mm_set1_ps(s[2 * j + 1]), _mm_set1_ps(s[2 * j]))
+                                : _mm256_set1_ps(s[2 * j]);
+#else
+    const int8_t* qv = static_cast<const int8_t*>(q) + 32 * j;
+#endif
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q.data() + (r0 + r) * K + 32 * b;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i prod = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
-      const __m256i sums = _mm256_madd_epi16(prod, ones);  // lanes 0-3: first 16; 4-7: last 16
-      const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.d[(r0 + r) * blocks + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    out[r] += _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-  }
-#else
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xq = x.q.data() + (r0 + r) * K;
-    float acc = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      int lo = 0, hi = 0;
-      for (int j = 0; j < 16; ++j) lo += wq[32 * b + j] * xq[32 * b + j];
-      for (int j = 16; j < 32; ++j) hi += wq[32 * b + j] * xq[32 * b + j];
       const float dx = x.d[(r0 + r) * blocks + b];
-      acc += (ws8[8 * b] * static_cast<float>(lo) + ws8[8 * b + 4] * static_cast<float>(hi)) * dx;
-    }
-    out[r] += acc;
-  }
+#if defined(__AVX2__)
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i prod = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, wv));
+      const __m256i sums = _mm256_madd_epi16(prod, ones);  // lanes 0-3: first 16; 4-7: last 16
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx)), acc[r]);
+#else
+      int lo = 0, hi = 0;
+      for (int k = 0; k < 16; ++k) lo += qv[k] * xq[k];
+      for (int k = 16; k < 32; ++k) hi += qv[k] * xq[k];
+      acc[r] += (s[2 * j] * static_cast<float>(lo) + s[2 * j + 1] * static_cast<float>(hi)) * dx;
 #endif
+      if constexpr (has_offsets(t)) {
+        const float* xs = x.sums.data() + (r0 + r) * (K / 16) + 2 * b;
+        off[r] = std::fma(o[2 * j], xs[0], off[r]);
+        off[r] = std::fma(o[2 * j + 1], xs[1], off[r]);
+      }
+    }
+  }
 }
+
+// Rows r0 .. r0 + R against weight row `w` of type t: out[r] (without bias). Few rows (decoding):
+// their sums in registers, each block unpacked once per R rows.
+template <int64_t t, int R>
+void dot_row(const uint8_t* w, int64_t K, const QuantRows& x, int64_t r0, float* out) {
+  constexpr int64_t V = block_values(t);
+  [[maybe_unused]] alignas(32) int8_t q[V];
+  float s[V / 16], o[V / 16], off[R];
+  Acc acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_zero(), off[r] = 0.0f;
+  for (int64_t i = 0; i < K / V; ++i, w += block_bytes(t)) {
+    unpack_scales<t>(w, s, o);
+#if defined(__AVX2__)
+    block_dot<t, R, true>(w, s, o, i, x, r0, K, acc, off);  // the values straight into registers
+#else
+    unpack_values<t>(w, q);
+    block_dot<t, R>(q, s, o, i, x, r0, K, acc, off);
+#endif
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc_sum(acc[r]) + off[r];
+}
+
+// All M rows against weight row `w` (prefill sizes): each block unpacked once, the rows' sums kept
+// in `acc` and `off` [M] between blocks. The same arithmetic per row as dot_row.
+template <int64_t t>
+void dot_rows(const uint8_t* w, int64_t K, const QuantRows& x, int64_t M, Acc* acc, float* off, float* out) {
+  constexpr int64_t V = block_values(t);
+  alignas(32) int8_t q[V];
+  float s[V / 16], o[V / 16];
+  for (int64_t r = 0; r < M; ++r) acc[r] = acc_zero(), off[r] = 0.0f;
+  for (int64_t i = 0; i < K / V; ++i, w += block_bytes(t)) {
+    unpack_values<t>(w, q);
+    unpack_scales<t>(w, s, o);
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) {
+      Acc tile[4] = {acc[r], acc[r + 1], acc[r + 2], acc[r + 3]};  // in registers for the block
+      block_dot<t, 4>(q, s, o, i, x, r, K, tile, off + r);
+      for (int k = 0; k < 4; ++k) acc[r + k] = tile[k];
+    }
+    for (; r < M; ++r) block_dot<t, 1>(q, s, o, i, x, r, K, acc + r, off + r);
+  }
+  for (int64_t r = 0; r < M; ++r) out[r] = acc_sum(acc[r]) + off[r];
+}
+
+using RowDot = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, float*);
+template <int R>
+constexpr RowDot kDot[] = {dot_row<Q4_0, R>, dot_row<Q4_1, R>, dot_row<Q5_0, R>, dot_row<Q5_1, R>,
+                           dot_row<Q8_0, R>, dot_row<Q4_K, R>, dot_row<Q5_K, R>, dot_row<Q6_K, R>};
+using RowsDot = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, Acc*, float*, float*);
+constexpr RowsDot kDots[] = {dot_rows<Q4_0>, dot_rows<Q4_1>, dot_rows<Q5_0>, dot_rows<Q5_1>,
+                             dot_rows<Q8_0>, dot_rows<Q4_K>, dot_rows<Q5_K>, dot_rows<Q6_K>};
+// Up to this many rows, each block is unpacked once per 4 rows with the sums in registers; past it,
+// once per weight row with the sums in memory.
+constexpr int64_t kFewRows = 8;
 
 thread_local QuantRows t_rows;
 
@@ -302,23 +369,29 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   for (int64_t p = 0; p < parts; ++p) N += rows[p];
 #pragma omp parallel
   {
-    std::vector<int8_t> wq(K);
-    std::vector<float> ws(K / 16), wo(K / 16), ws8(K / 4), out(4);
+    std::vector<Acc> acc(M > kFewRows ? M : 0);
+    std::vector<float> off(M), out(std::max<int64_t>(M, 4));
     int64_t first = 0;
     for (int64_t p = 0; p < parts; first += rows[p], ++p) {
       const int64_t row_bytes = K / block_values(types[p]) * block_bytes(types[p]);
+      const RowDot dot4 = kDot<4>[types[p]], dot1 = kDot<1>[types[p]];
+      const RowsDot dots = kDots[types[p]];
 #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < rows[p]; ++n) {
-        unpack_row(types[p], weights[p] + n * row_bytes, K, wq.data(), ws.data(), wo.data());
-        for (int64_t g = 0; g < K / 16; ++g) std::fill_n(ws8.data() + 4 * g, 4, ws[g]);
+        const uint8_t* w = weights[p] + n * row_bytes;
         const float b = bias ? to_float(bias[first + n]) : 0.0f;
+        if (M > kFewRows) {
+          dots(w, K, xq, M, acc.data(), off.data(), out.data());
+          for (int64_t m = 0; m < M; ++m) store(y + m * N + first + n, out[m] + b);
+          continue;
+        }
         int64_t m = 0;
         for (; m + 4 <= M; m += 4) {
-          dot_rows<4>(xq, m, K, wq.data(), ws8.data(), wo.data(), out.data());
+          dot4(w, K, xq, m, out.data());
           for (int r = 0; r < 4; ++r) store(y + (m + r) * N + first + n, out[r] + b);
         }
         for (; m < M; ++m) {
-          dot_rows<1>(xq, m, K, wq.data(), ws8.data(), wo.data(), out.data());
+          dot1(w, K, xq, m, out.data());
           store(y + m * N + first + n, out[0] + b);
         }
       }
@@ -336,7 +409,7 @@ void gguf_rows(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, in
     std::vector<float> s(K / 16), o(K / 16);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      unpack_row(type, w + ids[i] * row_bytes, K, q.data(), s.data(), o.data());
+      kUnpackRow[type](w + ids[i] * row_bytes, K, q.data(), s.data(), o.data());
       for (int64_t k = 0; k < K; ++k) store(out + i * K + k, s[k / 16] * static_cast<float>(q[k]) + o[k / 16]);
     }
   }
