@@ -30,6 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 MARKER = re.compile(r"<!-- bench-table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /bench-table -->", re.DOTALL)
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_format import Result, bold, markdown, num, thousands, us_or_ms  # noqa: E402
+from bench_table_models import table_big_model, table_big_model_speed, table_gguf_load  # noqa: E402
 from bench_table_peers import (  # noqa: E402
     TARGET_SOURCES,
     table_ab_throughput,
@@ -73,20 +74,6 @@ def provenance_line(names: Sequence[str], results: Sequence[Result], doc_dir: Pa
 
 
 # --- the tables -------------------------------------------------------------------------------
-
-
-def table_gguf_load(r: Sequence[Result]) -> list[str]:
-    d = r[0]
-    med = d["median_s"]
-    labels = [
-        ("gguf_first", "first start: prepare (metadata, tokenizer), dequantize, cache; build the CPU kernels"),
-        ("gguf_cached", "cached start (`--quantization none`)"),
-        ("gguf_quantized", "cached start, kept quantized (`--quantization auto`, the default)"),
-        ("safetensors", "the same weights as a safetensors directory"),
-        ("transformers_gguf", "transformers' own GGUF loader (`from_pretrained(gguf_file=...)`), for comparison"),
-    ]
-    rows = [(label, num(med[k])) for k, label in labels if k in med]
-    return markdown(["start", f"seconds (median of {d['rounds']})"], rows)
 
 
 def table_profile_step(results: Sequence[Result]) -> list[str]:
@@ -442,6 +429,8 @@ TABLES: dict[str, Table] = {
     "ab_throughput": Table(("ab_throughput.json",), table_ab_throughput),
     "structured": Table(("structured.json", "structured_rounds40.json"), table_structured),
     "grammar_engines": Table(("grammar_engines.json",), table_grammar_engines),
+    "big_model": Table(("big_model.json",), table_big_model),
+    "big_model_speed": Table(("big_model.json",), table_big_model_speed),
 }
 
 

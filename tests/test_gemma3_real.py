@@ -145,6 +145,8 @@ def test_greedy_equals_transformers(
 ) -> None:
     """All six prompts in one batch: each continuation is transformers', token for token, and the
     chosen tokens' log-probabilities agree to LOGPROB_TOL."""
+    # A turn ends at <end_of_turn> (106), which the file does not name as its EOT token.
+    assert set(float_engine.config.model_config.eos_token_ids) == {1, 106}
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
     start = time.perf_counter()
     outs = float_engine.generate(prompts, params)

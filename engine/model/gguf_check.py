@@ -201,11 +201,21 @@ def check_model(header: GGUFHeader) -> GGUFModel:
             fields.integer(k, high=vocab - 1, low=0)
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
             if k in header.fields
-        ),
+        )
+        + _end_of_turn(fields, arch),
         **(_gemma3_fields(fields, layers, hidden, heads, head_dim) if arch == "gemma3" else {}),
     )
     _check_tensors(fields, model)
     return model
+
+
+def _end_of_turn(fields: _Fields, arch: str) -> tuple[int, ...]:
+    """Gemma's chat turns end with <end_of_turn>, which its files seldom name as their EOT token;
+    llama.cpp finds it by its text, and so does this (a reply then stops there, not at EOS)."""
+    tokens = fields.header.fields[TOKENS].value
+    if arch != "gemma3" or not isinstance(tokens, GGUFArray) or not isinstance(tokens.items, list):
+        return ()
+    return (tokens.items.index("<end_of_turn>"),) if "<end_of_turn>" in tokens.items else ()
 
 
 def _gemma3_fields(fields: _Fields, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from ppserve.engine.model.gguf_quant import BLOCKS, GGUFWeight, from_blocks
 from ppserve.engine.model.model_config import ConfigError
 
 INFO_FILE = "gguf.json"
-PREPARED_VERSION = "v3"  # bump when what prepare_gguf or read_gguf_tensors writes changes
+PREPARED_VERSION = "v4"  # bump when what prepare_gguf or read_gguf_tensors writes changes
 # general.file_type -> the checkpoint's dtype, which --dtype auto takes on GPUs (CPUs run float32).
 _PLAIN_TYPES = ("F32", "F16", "BF16")  # read as they are: a plain conversion
 # The tokenizer class AutoTokenizer picks for each family's model_type.
