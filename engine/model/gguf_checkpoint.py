@@ -111,11 +111,19 @@ def read_gguf_tensors(
     shard_dir = model_dir / str(dtype).removeprefix("torch.")
     source: np.memmap | None = None
     announced = False
+    in_shards: dict[str, list[str]] = defaultdict(list)
+    for name in table:
+        in_shards[_shard_of(name)].append(name)
+
+    def direct(shard: str) -> bool:
+        """A layer whose linears run quantized: its plain tensors (norms) are read as they are."""
+        plain = all(table[n][0] in _PLAIN_TYPES for n in wanted[shard])
+        return plain and any(table[n][0] in BLOCKS for n in in_shards[shard])
+
     for shard, shard_names in sorted(wanted.items()):
         path = shard_dir / f"{shard}.safetensors"
-        in_shard = [name for name in table if _shard_of(name) == shard]
-        if all(table[n][0] in _PLAIN_TYPES for n in shard_names) and any(table[n][0] in BLOCKS for n in in_shard):
-            # A layer whose linears run quantized: its norms are read as they are, nothing cached.
+        in_shard = in_shards[shard]
+        if direct(shard):  # nothing cached
             source = source if source is not None else _map_source(info)
             yield from ((name, _dequantize(source, table[name], dtype, norm_shift(arch, name))) for name in shard_names)
             continue
@@ -124,7 +132,7 @@ def read_gguf_tensors(
                 yield from ((name, f.get_tensor(name)) for name in shard_names)
             continue
         if not announced:
-            todo = sum(not (shard_dir / f"{shard}.safetensors").is_file() for shard in wanted)
+            todo = sum(not direct(s) and not (shard_dir / f"{s}.safetensors").is_file() for s in wanted)
             print(
                 f"ppserve: dequantizing {todo} layer group(s) of {Path(info['source']).name} to {dtype} (once)",
                 file=sys.stderr,
