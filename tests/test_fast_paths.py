@@ -45,7 +45,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window):  # type: ignore
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (14, 2, 64), (4, 2, 128), (4, 4, 32), (6, 1, 16)]
+    ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (14, 2, 64), (4, 2, 128), (4, 1, 256), (4, 4, 32), (6, 1, 16)]
 )
 @pytest.mark.parametrize("window", [None, 1, 5, 40])
 def test_kernel_matches_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:

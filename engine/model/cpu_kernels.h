@@ -13,7 +13,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,73 @@ inline __m512 round_bf16(__m512 x) {
 // their results are bitwise equal.
 inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on 256-bit vectors, for x86 CPUs without AVX-512 (every helper computes what its
+// 512-bit namesake computes, lane for lane). AVX2 has no scalef: 2^n is applied as two powers of
+// two of half the exponent each, both normal floats, so that only the last multiply rounds.
+#define PPSERVE_AVX2 1
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-104.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_cvtps_epi32(n);  // NaN x: garbage here, but p is NaN already
+  const __m256i e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
+  auto pow2 = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(e1)), pow2(e2));
+}
+
+inline __m256 round_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 kept = _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_set1_epi32(0x400000)));
+  const __m256 out = _mm256_blendv_ps(_mm256_castsi256_ps(r), kept, nan);
+  return _mm256_and_ps(out, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline __m256 silu8(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bfloat16 -> float: into the high half
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {  // x already a bfloat16 value (round8)
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+template <typename T>
+inline __m256 round8(__m256 x) {  // eight floats rounded to T and back
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return round_bf16(x);
+  }
+}
+inline float reduce_add8(__m256 a) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float reduce_max8(__m256 a) {
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
 }
 #endif
 

@@ -4,7 +4,9 @@ one library, loaded with ctypes.
 - Decode attention: SDPA needs each request's keys and values gathered into one padded tensor
   first, and its flash kernel is tuned for many queries; for one query per request the gather
   and the kernel cost several times what reading the cache once does (scripts/profile_step.py).
-  The kernel reads the cache in place.
+  The kernel reads the cache in place, with AVX-512 or, on x86 CPUs without it, AVX2 (the
+  compiler's own vectorization of the plain loops made SmolLM2's decode attention at 32 requests
+  of 200 tokens 126 ms a step; the AVX2 loops take 26).
 - Prefill attention: torch's flash SDPA reaches some 60 GFLOP/s on two cores at a few hundred
   tokens a prompt; the kernel's tiles of keys in registers reach 100-240 (bfloat16 dot products
   where the CPU has AVX-512 BF16; built only there). SmolLM2's bfloat16 prefill step of 2048
