@@ -7,6 +7,9 @@ PPSERVE_CLUSTER_KEY by `transport/cluster_key.load_key` (a cluster's or a disagg
 and PPSERVE_API_KEY by `server/cli_clients.server_options`. PPSERVE_CACHE_DIR is read by
 `engine/model/cache_dir.cache_dir`, which the host also needs before there is a config (the demo model,
 GGUF preparation); the stages take it from the config.
+PPSERVE_CPU_ISA is read by `engine/model/cpu_kernels.load` on each machine that builds the CPU
+kernels: which instruction-set paths to compile is a question about that machine's CPU (a variant
+it cannot run builds native), and a way to test the paths of other CPUs, not a setting of a run.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ ENGINE_ENV: tuple[str, ...] = (
 )
 # Where the PPSERVE_* variables may be read (engine/environment.py says why each is where it is).
 ENV_READERS = {"engine/environment.py", "engine/model/cache_dir.py", "engine/disagg/faults.py"}
-ENV_READERS |= {"transport/cluster_key.py", "server/cli_clients.py"}
+ENV_READERS |= {"engine/model/cpu_kernels.py", "transport/cluster_key.py", "server/cli_clients.py"}
 
 
 @pytest.fixture

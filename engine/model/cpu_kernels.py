@@ -36,6 +36,14 @@ SDPA), with one warning; so it does on other devices and dtypes than float32 and
 
 Whether to use it and where to build it come from the engine config (`cpu_kernels`,
 `cache_dir`), which each stage hands over through `configure` before its first step.
+
+Which of the C++'s instruction-set paths it is built with is the machine's own choice, read from
+$PPSERVE_CPU_ISA when the library is loaded: `native` (the default: whatever this CPU has),
+`avx2` (an x86-64-v3 CPU's: AVX2, FMA and F16C, never AVX-512) or `scalar` (baseline x86-64:
+the plain C++ paths only). An AVX-512 machine thus also tests the code that AVX2-only CPUs run,
+and any x86 machine the fallbacks (tests/test_kernel_variants.py). A variant this CPU cannot run,
+or an unknown name, builds `native`, with one warning; each variant is a library of its own in
+the cache, and `isa()` says which one is loaded.
 """
 
 from __future__ import annotations
@@ -87,10 +95,27 @@ _FLOAT_GEMM_ARGTYPES = {name: [_PTR] * 4 + [_INT64] * 3 for name in ("float_gemm
 _PREFILL_ARGTYPES = {"prefill_attention": [_PTR, _INT64] * 3 + [_PTR] + [_INT64] * 7 + [_FLOAT, _INT64]}
 # Sums may be reordered (that is what lets the loops vectorize; the result differs from SDPA's
 # by rounding only), but NaN and infinity keep their meaning: no -ffast-math. libmvec has the
-# vector expf. GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the
-# elementwise loops run 1.1-1.6x faster in 512 (bfloat16's SiLU * up: 1.59 -> 0.98 ms for 2048 rows).
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# vector expf.
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 FLAGS += ["-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+# Per variant ($PPSERVE_CPU_ISA, see the module's docstring): the flags that pick the instruction
+# set, and the CPU flags (/proc/cpuinfo) its code needs.
+ISA_ENV = "PPSERVE_CPU_ISA"
+ISA_FLAGS = {
+    # GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the elementwise
+    # loops run 1.1-1.6x faster in 512 (bfloat16's SiLU * up: 1.59 -> 0.98 ms for 2048 rows).
+    "native": ["-march=native", "-mprefer-vector-width=512"],
+    # What an AVX2 CPU without AVX-512 has (Haswell, Zen 1-3).
+    "avx2": ["-march=x86-64-v3"],
+    # The -mno-* keep every __AVX*__, __F16C__ and __FMA__ path out, whatever the compiler's defaults.
+    "scalar": ["-march=x86-64", "-mno-avx", "-mno-avx2", "-mno-f16c", "-mno-fma"],
+}
+ISA_NEEDS = {
+    "native": frozenset[str](),
+    # x86-64-v3 as a whole: the compiler may emit its BMI, LZCNT (abm) and MOVBE instructions too.
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave"}),
+    "scalar": frozenset({"sse2"}),  # any x86-64
+}
 
 
 def _cpu_flags() -> str:
@@ -101,6 +126,25 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def can_run(variant: str) -> bool:
+    """Whether this CPU runs the code of `variant` (a key of ISA_FLAGS)."""
+    return ISA_NEEDS[variant] <= set(_cpu_flags().split())
+
+
+@functools.cache  # one warning per value, however often the library is loaded again
+def _variant(requested: str) -> str:
+    """The variant to build for $PPSERVE_CPU_ISA's value: `native` where it is unknown or this CPU
+    cannot run it (rather than a library that dies of an illegal instruction)."""
+    if requested not in ISA_FLAGS:
+        log.warning("%s=%r is none of %s: building the CPU kernels native", ISA_ENV, requested, ", ".join(ISA_FLAGS))
+        return "native"
+    if not can_run(requested):
+        missing = " ".join(sorted(ISA_NEEDS[requested] - set(_cpu_flags().split())))
+        log.warning("%s=%s needs CPU flags this CPU lacks (%s): building native", ISA_ENV, requested, missing)
+        return "native"
+    return requested
 
 
 def _compiler() -> str | None:
@@ -125,21 +169,34 @@ def load() -> ctypes.CDLL | None:
     """The built kernel library, or None where it is switched off or cannot be built (then the
     torch ops are used)."""
     enabled, cache = _settings or (True, "")
-    return _load(cache or str(cache_dir())) if enabled else None
+    if not enabled:
+        return None
+    return _load(cache or str(cache_dir()), _variant(os.environ.get(ISA_ENV, "").strip().lower() or "native"))
+
+
+# Each library loaded -> the variant it was built for (`isa`).
+_ISA_OF: dict[ctypes.CDLL, str] = {}
+
+
+def isa() -> str | None:
+    """The instruction-set variant the loaded library was built for ("native", "avx2" or "scalar";
+    see the module's docstring), None where there is no library."""
+    dll = load()
+    return None if dll is None else _ISA_OF.get(dll)
 
 
 @functools.cache
-def _load(cache: str) -> ctypes.CDLL | None:
+def _load(cache: str, variant: str) -> ctypes.CDLL | None:
     cxx = _compiler()
     if cxx is None:
         log.warning("no C++ compiler found: the forward pass runs torch ops only (slower on the CPU)")
         return None
-    cmd = [cxx, *FLAGS]
+    cmd = [cxx, *ISA_FLAGS[variant], *FLAGS]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         texts = [f.read_text() for f in (*SOURCES, HEADER)]
-        key = hashlib.sha256(" ".join([*texts, version, _cpu_flags(), *cmd]).encode()).hexdigest()[:16]
-        lib = Path(cache) / "kernels" / f"cpu_kernels-{key}.so"
+        key = hashlib.sha256(" ".join([*texts, version, _cpu_flags(), variant, *cmd]).encode()).hexdigest()[:16]
+        lib = Path(cache) / "kernels" / f"cpu_kernels-{variant}-{key}.so"
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             # Built under a temporary name and renamed: stages starting at once each build, and
@@ -155,6 +212,8 @@ def _load(cache: str) -> ctypes.CDLL | None:
         detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
         log.warning("cannot build the CPU kernels (%s): the forward pass runs torch ops only", *detail or ["?"])
         return None
+    log.info("CPU kernels: the %s build, %s", variant, lib)
+    _ISA_OF[dll] = variant
     kernels = _ARGTYPES | (_QUANT_ARGTYPES if hasattr(dll, "quant_gemm_q4_f32") else {})
     kernels |= _PREFILL_ARGTYPES if hasattr(dll, "prefill_attention_f32") else {}
     for name, argtypes in kernels.items():

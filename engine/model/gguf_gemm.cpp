@@ -20,6 +20,7 @@
 // so a request's tokens do not depend on how the pipeline batched it.
 
 #include "cpu_kernels.h"
+#include <new>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -78,12 +79,12 @@ inline __m256i nibbles(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
-// Byte j is 0x10 where bit j of x is set (the fifth bit of Q5_0 / Q5_1 value j).
+// Byte j is 0xff where bit j of x is set (the fifth bit of Q5_0 / Q5_1 value j), else 0.
 inline __m256i fifth_bits(uint32_t x) {
   const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), byte_of);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 // Bits [shift, shift + width) of each byte, moved to bit 4 (a K-quant's high bits).
 inline __m256i high_bits(__m256i v, int shift, int width) {
@@ -108,8 +109,10 @@ inline __m256i values32(const uint8_t* b, int64_t j) {
     constexpr int at = t == Q5_1 ? 4 : 2;
     uint32_t qh;
     std::memcpy(&qh, b + at, 4);
-    const __m256i v = _mm256_or_si256(nibbles(b + at + 4), fifth_bits(qh));
-    return t == Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+    // Q5_0's value - 16 is the nibble with 0xf0 set where the fifth bit is clear (in two's complement)
+    const __m256i high = t == Q5_0 ? _mm256_andnot_si256(fifth_bits(qh), _mm256_set1_epi8(static_cast<char>(0xf0)))
+                                   : _mm256_and_si256(fifth_bits(qh), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(nibbles(b + at + 4), high);
   } else if constexpr (t == Q4_K || t == Q5_K) {  // sub-block j: the low (j even) or high nibbles of 32 bytes
     const __m256i v = load32(b + 16 + (t == Q5_K ? 32 : 0) + 32 * (j / 2));
     __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
@@ -234,6 +237,17 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
   }
 }
 
+template <typename T>
+struct AlignedAlloc {  // 32-byte aligned storage, for the unpacked values' aligned loads
+  using value_type = T;
+  AlignedAlloc() = default;
+  template <typename U>
+  AlignedAlloc(const AlignedAlloc<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(32))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(32)); }
+  bool operator==(const AlignedAlloc&) const { return true; }
+};
+
 struct QuantRows {  // the activations as quantize_row leaves them, row-major
   std::vector<int8_t> q;
   std::vector<float> d, sums;
@@ -257,8 +271,15 @@ inline float acc_sum(Acc a) { return a; }
 // time; scales s and offsets o per 16) against rows r0 .. r0 + R of the activations, added into
 // acc[r] and off[r]. Every row's sums run in the same order whatever R is and however the caller
 // keeps acc, so a row's result does not depend on its batch.
+#if defined(__AVX2__)
+#define PPSERVE_IN_ORDER
+#else
+// Without AVX2 the sums are plain C++: the compiler must not reorder them (it would, differently for
+// each R), or a row's result would depend on how many rows it was computed with.
+#define PPSERVE_IN_ORDER __attribute__((optimize("no-associative-math", "fp-contract=off")))
+#endif
 template <int64_t t, int R, bool raw = false>
-inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x, int64_t r0,
+PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x, int64_t r0,
                       int64_t K, Acc* acc, float* off) {
   constexpr int64_t V = block_values(t);
   const int64_t blocks = K / 32;
@@ -318,38 +339,72 @@ void dot_row(const uint8_t* w, int64_t K, const QuantRows& x, int64_t r0, float*
   for (int r = 0; r < R; ++r) out[r] = acc_sum(acc[r]) + off[r];
 }
 
-// All M rows against weight row `w` (prefill sizes): each block unpacked once, the rows' sums kept
-// in `acc` and `off` [M] between blocks. The same arithmetic per row as dot_row.
-template <int64_t t>
-void dot_rows(const uint8_t* w, int64_t K, const QuantRows& x, int64_t M, Acc* acc, float* off, float* out) {
+// Weight rows w .. w + RW (prefill sizes and large batches) against all M rows: the RW rows unpacked
+// once into q, s, o; then per RX rows of the activations, every block of the RW rows in turn, the
+// RW * RX sums in registers. The same arithmetic per row as dot_row.
+template <int64_t t, int RW, int RX>
+void dot_tile(const int8_t* q, const float* s, const float* o, int64_t K, const QuantRows& x, int64_t r0, float* out) {
   constexpr int64_t V = block_values(t);
-  alignas(32) int8_t q[V];
-  float s[V / 16], o[V / 16];
-  for (int64_t r = 0; r < M; ++r) acc[r] = acc_zero(), off[r] = 0.0f;
-  for (int64_t i = 0; i < K / V; ++i, w += block_bytes(t)) {
-    unpack_values<t>(w, q);
-    unpack_scales<t>(w, s, o);
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) {
-      Acc tile[4] = {acc[r], acc[r + 1], acc[r + 2], acc[r + 3]};  // in registers for the block
-      block_dot<t, 4>(q, s, o, i, x, r, K, tile, off + r);
-      for (int k = 0; k < 4; ++k) acc[r + k] = tile[k];
-    }
-    for (; r < M; ++r) block_dot<t, 1>(q, s, o, i, x, r, K, acc + r, off + r);
+  Acc acc[RW][RX];
+  float off[RW][RX];
+  for (int c = 0; c < RW; ++c)
+    for (int r = 0; r < RX; ++r) acc[c][r] = acc_zero(), off[c][r] = 0.0f;
+  for (int64_t i = 0; i < K / V; ++i)
+    for (int c = 0; c < RW; ++c)
+      block_dot<t, RX>(q + c * K + i * V, s + (c * K + i * V) / 16, o + (c * K + i * V) / 16, i, x, r0, K, acc[c],
+                       off[c]);
+  for (int c = 0; c < RW; ++c)
+    for (int r = 0; r < RX; ++r) out[c * RX + r] = acc_sum(acc[c][r]) + off[c][r];
+}
+
+// Weight rows unpacked for dot_tile: q [RW][K], s and o [RW][K / 16].
+struct Unpacked {
+  std::vector<int8_t, AlignedAlloc<int8_t>> q;
+  std::vector<float> s, o;
+};
+
+// Rows per tile: kTileW weight rows by kTileX activation rows.
+constexpr int kTileW = 4, kTileX = 2;
+
+// All M rows against weight rows n .. n + rw (rw <= kTileW) of type t: y[m][n + c] (+ bias).
+template <int64_t t, typename T>
+void tile_rows(const uint8_t* w, int64_t row_bytes, int rw, int64_t K, const QuantRows& x, int64_t M, Unpacked& u,
+               const float* bias, T* y, int64_t N) {
+  u.q.resize(kTileW * K), u.s.resize(kTileW * K / 16), u.o.resize(kTileW * K / 16);
+  for (int c = 0; c < rw; ++c) unpack_row_of<t>(w + c * row_bytes, K, u.q.data() + c * K, u.s.data() + c * K / 16, u.o.data() + c * K / 16);
+  for (int c = rw; c < kTileW; ++c) {  // rows past the end: zeros, computed and dropped
+    std::fill_n(u.q.data() + c * K, K, 0), std::fill_n(u.s.data() + c * K / 16, K / 16, 0.0f);
+    std::fill_n(u.o.data() + c * K / 16, K / 16, 0.0f);
   }
-  for (int64_t r = 0; r < M; ++r) out[r] = acc_sum(acc[r]) + off[r];
+  float out[kTileW * kTileX];
+  int64_t m = 0;
+  for (; m + kTileX <= M; m += kTileX) {
+    dot_tile<t, kTileW, kTileX>(u.q.data(), u.s.data(), u.o.data(), K, x, m, out);
+    for (int c = 0; c < rw; ++c)
+      for (int r = 0; r < kTileX; ++r) store(y + (m + r) * N + c, out[c * kTileX + r] + bias[c]);
+  }
+  for (; m < M; ++m) {
+    dot_tile<t, kTileW, 1>(u.q.data(), u.s.data(), u.o.data(), K, x, m, out);
+    for (int c = 0; c < rw; ++c) store(y + m * N + c, out[c] + bias[c]);
+  }
 }
 
 using RowDot = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, float*);
 template <int R>
 constexpr RowDot kDot[] = {dot_row<Q4_0, R>, dot_row<Q4_1, R>, dot_row<Q5_0, R>, dot_row<Q5_1, R>,
                            dot_row<Q8_0, R>, dot_row<Q4_K, R>, dot_row<Q5_K, R>, dot_row<Q6_K, R>};
-using RowsDot = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, Acc*, float*, float*);
-constexpr RowsDot kDots[] = {dot_rows<Q4_0>, dot_rows<Q4_1>, dot_rows<Q5_0>, dot_rows<Q5_1>,
-                             dot_rows<Q8_0>, dot_rows<Q4_K>, dot_rows<Q5_K>, dot_rows<Q6_K>};
-// Up to this many rows, each block is unpacked once per 4 rows with the sums in registers; past it,
-// once per weight row with the sums in memory.
+template <typename T>
+using TileRows = void (*)(const uint8_t*, int64_t, int, int64_t, const QuantRows&, int64_t, Unpacked&, const float*, T*,
+                          int64_t);
+template <typename T>
+constexpr TileRows<T> kTiles[] = {tile_rows<Q4_0, T>, tile_rows<Q4_1, T>, tile_rows<Q5_0, T>, tile_rows<Q5_1, T>,
+                                  tile_rows<Q8_0, T>, tile_rows<Q4_K, T>, tile_rows<Q5_K, T>, tile_rows<Q6_K, T>};
+// Up to this many rows, each block is unpacked into registers once per 4 rows (dot_row); past it,
+// kTileW weight rows are unpacked once into memory for all the rows (tile_rows).
 constexpr int64_t kFewRows = 8;
+// Weight rows an item of work (up to kFewRows activation rows): few enough that the team's threads
+// finish together, enough that taking an item costs little beside it.
+constexpr int64_t kItemRows = 8;
 
 thread_local QuantRows t_rows;
 
@@ -367,36 +422,44 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   }
   int64_t N = 0;
   for (int64_t p = 0; p < parts; ++p) N += rows[p];
-#pragma omp parallel
-  {
-    std::vector<Acc> acc(M > kFewRows ? M : 0);
-    std::vector<float> off(M), out(std::max<int64_t>(M, 4));
-    int64_t first = 0;
-    for (int64_t p = 0; p < parts; first += rows[p], ++p) {
-      const int64_t row_bytes = K / block_values(types[p]) * block_bytes(types[p]);
-      const RowDot dot4 = kDot<4>[types[p]], dot1 = kDot<1>[types[p]];
-      const RowsDot dots = kDots[types[p]];
-#pragma omp for schedule(static) nowait
-      for (int64_t n = 0; n < rows[p]; ++n) {
-        const uint8_t* w = weights[p] + n * row_bytes;
-        const float b = bias ? to_float(bias[first + n]) : 0.0f;
-        if (M > kFewRows) {
-          dots(w, K, xq, M, acc.data(), off.data(), out.data());
-          for (int64_t m = 0; m < M; ++m) store(y + m * N + first + n, out[m] + b);
-          continue;
-        }
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {
-          dot4(w, K, xq, m, out.data());
-          for (int r = 0; r < 4; ++r) store(y + (m + r) * N + first + n, out[r] + b);
-        }
-        for (; m < M; ++m) {
-          dot1(w, K, xq, m, out.data());
-          store(y + m * N + first + n, out[0] + b);
-        }
+  // Items of kItemRows weight rows (kTileW for large batches), never across a part's end, over the
+  // team by shared_for: a thread that the server's other threads keep off its core leaves its rows
+  // to the other one rather than holding up the whole step.
+  const int64_t item_rows = M > kFewRows ? kTileW : kItemRows;
+  thread_local std::vector<std::pair<int64_t, int64_t>> items;  // (part, its first row)
+  items.clear();
+  for (int64_t p = 0; p < parts; ++p)
+    for (int64_t n = 0; n < rows[p]; n += item_rows) items.emplace_back(p, n);
+  int64_t firsts[8] = {0};  // each part's first output column (a linear has a few parts)
+  for (int64_t p = 1; p < parts; ++p) firsts[p] = firsts[p - 1] + rows[p - 1];
+  const std::pair<int64_t, int64_t>* todo = items.data();
+  shared_for(static_cast<int64_t>(items.size()), [&](int64_t item, int64_t) {
+    const auto [p, n0] = todo[item];
+    const int64_t type = types[p], row_bytes = K / block_values(type) * block_bytes(type);
+    const int rw = static_cast<int>(std::min(item_rows, rows[p] - n0));
+    const uint8_t* w = weights[p] + n0 * row_bytes;
+    T* out = y + firsts[p] + n0;
+    float b[kItemRows];
+    for (int c = 0; c < rw; ++c) b[c] = bias ? to_float(bias[firsts[p] + n0 + c]) : 0.0f;
+    if (M > kFewRows) {
+      thread_local Unpacked unpacked;
+      kTiles<T>[type](w, row_bytes, rw, K, xq, M, unpacked, b, out, N);
+      return;
+    }
+    const RowDot dot4 = kDot<4>[type], dot1 = kDot<1>[type];
+    float o[4];
+    for (int c = 0; c < rw; ++c, w += row_bytes) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        dot4(w, K, xq, m, o);
+        for (int r = 0; r < 4; ++r) store(out + (m + r) * N + c, o[r] + b[c]);
+      }
+      for (; m < M; ++m) {
+        dot1(w, K, xq, m, o);
+        store(out + m * N + c, o[0] + b[c]);
       }
     }
-  }
+  });
 }
 
 // out [n, K] = rows ids of W [*, K] dequantized (an embedding lookup).

@@ -115,6 +115,7 @@ class GGUFLinear(nn.Module):
     def __init__(self, parts: Sequence[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         assert len({p.shape[1] for p in parts}) == 1, "parts read the same input"
+        assert 1 <= len(parts) <= 8, "the kernel takes up to 8 parts"
         self.parts = list(parts)  # their raw tensors hold the mapped file's pages
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
