@@ -11,11 +11,12 @@
 //   Q5_K  5 bits     (as Q4_K)                      6-bit sc_j and m_j)
 //   Q6_K  6 bits - 32  s = d * sc_j  o = 0         (16 sub-blocks of 16, int8 sc_j)
 // The activations are rounded to int8 in blocks of 32 with a float scale, as llama.cpp rounds
-// them for its quantized dot products, and kept with their sums per 16 (for the offsets). Then
-//   y[m][n] = sum over blocks of 32: dx * (s_lo * <q, qx>_lo + s_hi * <q, qx>_hi)
-//           + sum over groups of 16: o_g * dx * sum(qx_g)
+// them for its quantized dot products, and kept with their sums per 32 (for the offsets). Then
+//   y[m][n] = sum over blocks of 32: dx * (s_lo * <q, qx>_lo + s_hi * <q, qx>_hi) + o * dx * sum(qx)
+// (a block's offset is the same for both of its groups of 16).
 // The integer dot products are AVX2's u8 x s8 multiply-adds (|q| in the unsigned operand, q's
-// sign moved onto qx), in 8 lanes: lanes 0-3 sum the block's first 16 products, 4-7 the last 16.
+// sign moved onto qx, where q can be negative), in 8 lanes: lanes 0-3 sum the block's first 16
+// products, 4-7 the last 16.
 // A row's result is the same whatever else is in the batch (each output one sum in a fixed order),
 // so a request's tokens do not depend on how the pipeline batched it.
 
@@ -59,7 +60,7 @@ constexpr int64_t block_bytes(int64_t t) {
   return bytes[t];
 }
 constexpr int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
-// Whether w = s * q + o has offsets o at all (the others' are zero, and skipped).
+// Whether w = s * q + o has offsets o at all (the others' are zero, and skipped); theirs q are >= 0.
 constexpr bool has_offsets(int64_t t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
 
 // A K-quant's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
@@ -215,7 +216,7 @@ const UnpackRow kUnpackRow[] = {unpack_row_of<Q4_0>, unpack_row_of<Q4_1>, unpack
                                 unpack_row_of<Q8_0>, unpack_row_of<Q4_K>, unpack_row_of<Q5_K>, unpack_row_of<Q6_K>};
 
 // x rounded to int8 per block of 32 (scale amax / 127), with each group of 16's sum times the
-// scale: q [K], d [K / 32], sums [K / 16].
+// scale: q [K], d [K / 32], sums [K / 32].
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -225,15 +226,14 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
       amax = std::max(amax, std::fabs(v[j]));
     }
     const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    int sum[2] = {0, 0};
+    int sum = 0;
     for (int j = 0; j < 32; ++j) {
       const int r = static_cast<int>(std::nearbyint(v[j] * inv));
       q[32 * b + j] = static_cast<int8_t>(r);
-      sum[j / 16] += r;
+      sum += r;
     }
     d[b] = scale;
-    sums[2 * b] = scale * static_cast<float>(sum[0]);
-    sums[2 * b + 1] = scale * static_cast<float>(sum[1]);
+    sums[b] = scale * static_cast<float>(sum);
   }
 }
 
@@ -288,7 +288,8 @@ PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const floa
 #if defined(__AVX2__)
     const __m256i wv = raw ? values32<t>(static_cast<const uint8_t*>(q), j)
                            : _mm256_load_si256(static_cast<const __m256i*>(q) + j);
-    const __m256i w_abs = _mm256_sign_epi8(wv, wv), ones = _mm256_set1_epi16(1);
+    // (q >= 0 where there are offsets: no sign to move)
+    const __m256i w_abs = has_offsets(t) ? wv : _mm256_sign_epi8(wv, wv), ones = _mm256_set1_epi16(1);
     // Only Q6_K has two scales in a block of 32.
     const __m256 ws = t == Q6_K ? _mm256_set_m128(_mm_set1_ps(s[2 * j + 1]), _mm_set1_ps(s[2 * j]))
                                 : _mm256_set1_ps(s[2 * j]);
@@ -300,7 +301,7 @@ PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const floa
       const float dx = x.d[(r0 + r) * blocks + b];
 #if defined(__AVX2__)
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i prod = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, wv));
+      const __m256i prod = _mm256_maddubs_epi16(w_abs, has_offsets(t) ? a : _mm256_sign_epi8(a, wv));
       const __m256i sums = _mm256_madd_epi16(prod, ones);  // lanes 0-3: first 16; 4-7: last 16
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx)), acc[r]);
 #else
@@ -309,11 +310,7 @@ PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const floa
       for (int k = 16; k < 32; ++k) hi += qv[k] * xq[k];
       acc[r] += (s[2 * j] * static_cast<float>(lo) + s[2 * j + 1] * static_cast<float>(hi)) * dx;
 #endif
-      if constexpr (has_offsets(t)) {
-        const float* xs = x.sums.data() + (r0 + r) * (K / 16) + 2 * b;
-        off[r] = std::fma(o[2 * j], xs[0], off[r]);
-        off[r] = std::fma(o[2 * j + 1], xs[1], off[r]);
-      }
+      if constexpr (has_offsets(t)) off[r] = std::fma(o[2 * j], x.sums[(r0 + r) * blocks + b], off[r]);
     }
   }
 }
@@ -415,10 +412,10 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   QuantRows& xq = t_rows;  // the calling thread's: its size follows the largest batch seen
   xq.q.resize(M * K);
   xq.d.resize(M * K / 32);
-  xq.sums.resize(M * K / 16);
+  xq.sums.resize(M * K / 32);
 #pragma omp parallel for schedule(static) if (M * K >= kParallelElements)
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 16);
+    quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 32);
   }
   int64_t N = 0;
   for (int64_t p = 0; p < parts; ++p) N += rows[p];
