@@ -26,7 +26,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # Check -> (test module, test function): the kernels whose tests hold for every variant as they are.
 REUSED = {
     "decode_attention": ("test_fast_paths", "test_kernel_matches_sdpa"),
-    "silu_mul": ("test_fast_paths", "test_silu_mul_kernel_matches_torch"),
+    "gated_mul": ("test_fast_paths", "test_gated_mul_kernel_matches_torch"),
     "rope_write_kv": ("test_fast_paths", "test_rope_write_kv_kernel_equals_torch"),
     "argmax": ("test_fast_paths", "test_argmax_kernel_equals_torch"),
     "gguf_embedding": ("test_gguf_quant", "test_embedding_rows_are_gguf_py_dequantization"),

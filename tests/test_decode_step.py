@@ -12,9 +12,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 from helpers import random_prompt
+from test_gemma3 import SPECS as GEMMA3
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels, linear
+from ppserve.engine.model.tiny_checkpoint import make_tiny_checkpoint
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.transport.messages import SeqChunk
 
@@ -52,7 +54,13 @@ def _check_equal_to_layers(runners: list[StageRunner], lengths: list[int]) -> No
         _forward(runners, [SeqChunk(f"r{i}", random_prompt(rng, n, vocab), 0, tables[-1], True)])
     decode = [SeqChunk(f"r{i}", [rng.randrange(6, vocab)], n, tables[i], True) for i, n in enumerate(lengths)]
     before = [_kv(r) for r in runners]
+    calls: list[int] = []
+    for runner in runners:  # counted: the step must run (not the modules, which would equal themselves)
+        step = runner.model.decode_step
+        assert step is not None
+        step.fn = _counted(step.fn, calls)
     fused = _forward(runners, decode)
+    assert len(calls) == len(runners)
     fused_kv = [_kv(r) for r in runners]
     steps = [r.model.decode_step for r in runners]
     try:
@@ -70,6 +78,14 @@ def _check_equal_to_layers(runners: list[StageRunner], lengths: list[int]) -> No
     assert not torch.equal(fused_kv[0], before[0])  # the step wrote its keys and values
 
 
+def _counted(fn: Callable[..., int], calls: list[int]) -> Callable[..., int]:
+    def call(*args: object) -> int:
+        calls.append(1)
+        return fn(*args)
+
+    return call
+
+
 def _kv(runner: StageRunner) -> torch.Tensor:
     """A copy of the stage's whole KV cache: every group's (engine/model/kv_cache.py), flat."""
     return torch.cat([t.reshape(-1) for t in runner.kv.tensors()])
@@ -82,6 +98,16 @@ def test_equals_layers(checkpoints: dict[str, Path], arch: str, quantization: st
     norms (qwen3), and weights quantized to int8; one request at batch 1 and six of different
     lengths."""
     runners = _runners(checkpoints[arch], quantization=quantization)
+    _check_equal_to_layers(runners, [9])
+    _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
+
+
+@pytest.mark.parametrize("name", list(GEMMA3))
+def test_gemma3_equals_layers(tmp_path: Path, name: str) -> None:
+    """Gemma 3: its norms around attention and the MLP, GELU, q/k norms, and sliding layers with their
+    own RoPE table reading their own KV group (a window of 16, shorter than some contexts)."""
+    runners = _runners(make_tiny_checkpoint(tmp_path / name, GEMMA3[name]))
+    assert any(r.kv.window is not None for r in runners)
     _check_equal_to_layers(runners, [9])
     _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
 

@@ -4,6 +4,7 @@ write), fused linear layers, and ppserve's float32 GEMM."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -351,14 +352,35 @@ def test_add_and_norm_kernel_matches_torch(dtype: torch.dtype, rows: int) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_kernel_matches_torch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+def test_gated_mul_kernel_matches_torch(dtype: torch.dtype, gelu: bool) -> None:
     """SiLU's exp is the kernel's own polynomial, not torch's: a few float32 ulps apart (at most 4
-    over [-87, 87]), at most one in bfloat16; the product is then rounded as torch rounds it."""
+    over [-87, 87]), at most one in bfloat16; the product is then rounded as torch rounds it. GELU's
+    tanh approximation (Gemma) is x * sigmoid(2u) there, with the same exp: as close to the exact
+    formula (where torch's 1 + tanh(u) cancels, far below zero, closer), and within float32
+    rounding of torch's values. NaN and infinity as torch."""
     gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    got = cpu_kernels.silu_mul(gate_up)
-    assert got.dtype == dtype and _ulps(got, want) <= (8 if dtype == torch.float32 else 1.01)
+    torch_act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    got = cpu_kernels.silu_mul(gate_up, gelu=gelu)
+    assert got.dtype == dtype
+    assert torch.equal(got[0, :3].nan_to_num(7.0), (torch_act * up)[0, :3].nan_to_num(7.0))
+    x = gate[1:].double()
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u): the sigmoid's form does not cancel, in float64 either
+    two_u = 2 * (2 / math.pi) ** 0.5 * (x + 0.044715 * x**3)
+    exact = x * torch.sigmoid(two_u) if gelu else F.silu(x)
+    want = (exact.to(dtype).double() * up[1:].double()).to(dtype)
+    # exp's argument is computed in float32 for GELU: its rounding, times the argument, is exp's
+    # relative error
+    slack = 1 + two_u.abs() if gelu and dtype == torch.float32 else torch.ones_like(x)
+    eps = torch.finfo(dtype).eps
+    ulps = (got[1:].double() - want.double()).abs() / (want.double().abs() * eps).clamp_min(1e-30)
+    assert float((ulps / slack).max()) <= (8 if dtype == torch.float32 else 1.01)
+    if gelu:
+        torch.testing.assert_close(
+            got[1:], (torch_act * up)[1:], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

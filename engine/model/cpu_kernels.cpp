@@ -8,7 +8,7 @@
 // - prefill_attention: the causal attention of prompt chunks, in tiles of keys (on CPUs with
 //   AVX-512 BF16: bfloat16 dot products; float32 the same loops with FMAs).
 // - rms_norm: the residual add and RMSNorm of a decoder layer in one pass.
-// - silu_mul: the MLP's SiLU(gate) * up.
+// - silu_mul, gelu_mul: the MLP's SiLU(gate) * up, or GELU(gate) * up (Gemma).
 // - rope_write_kv: RoPE on q and k in place of the copy, k and v stored into the cache.
 // Each replaces several torch ops (and as many dispatches and passes over memory) per layer, and
 // rounds where those ops round, so results stay those of the torch code they replace up to the
@@ -716,9 +716,26 @@ void rms_norm(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t
   }
 }
 
-// out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], silu rounded to T first (as F.silu(g) * u).
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
+// GELU's tanh approximation, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), is
+// x * sigmoid(2u) = x / (1 + e^(-2u)): SiLU's expression with another exponent, and no 1 - 2 / (...)
+// to cancel (transformers' Gemma: F.gelu(approximate="tanh")).
+constexpr float kGelu1 = -1.5957691216057308f, kGelu3 = kGelu1 * 0.044715f;  // -2u = x (kGelu1 + kGelu3 x^2)
+#if defined(__AVX512F__)
+inline __m512 gelu16(__m512 x) {
+  const __m512 e = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(kGelu3), _mm512_set1_ps(kGelu1)));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(e)));
+}
+#elif defined(PPSERVE_AVX2)
+inline __m256 gelu8(__m256 x) {
+  const __m256 e = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(kGelu3), _mm256_set1_ps(kGelu1)));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(e)));
+}
+#endif
+
+// out[r] = act(gate_up[r, :dim]) * gate_up[r, dim:], act SiLU (or GELU's tanh approximation)
+// rounded to T first (as F.silu(g) * u).
+template <typename T, bool Gelu>
+void gated_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
 #pragma omp parallel for if (rows * dim >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * dim;
@@ -728,18 +745,20 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t dim) {
 #if defined(__AVX512F__)
     for (; i + 16 <= dim; i += 16) {
       const __m512 x = load16(g + i);
-      const __m512 s = round16<T>(silu16(x));
+      const __m512 s = round16<T>(Gelu ? gelu16(x) : silu16(x));
       store16(o + i, round16<T>(_mm512_mul_ps(s, load16(u + i))));
     }
 #elif defined(PPSERVE_AVX2)
     for (; i + 8 <= dim; i += 8) {
-      const __m256 s = round8<T>(silu8(load8(g + i)));
+      const __m256 x = load8(g + i);
+      const __m256 s = round8<T>(Gelu ? gelu8(x) : silu8(x));
       store8(o + i, round8<T>(_mm256_mul_ps(s, load8(u + i))));
     }
 #endif
     for (; i < dim; ++i) {
       const float x = to_float(g[i]);
-      store(o + i, round_as<T>(x / (1.0f + expf(-x))) * to_float(u[i]));
+      const float e = Gelu ? x * std::fma(x * x, kGelu3, kGelu1) : -x;
+      store(o + i, round_as<T>(x / (1.0f + expf(e))) * to_float(u[i]));
     }
   }
 }
@@ -854,7 +873,12 @@ extern "C" {
   void rms_norm_##SUFFIX(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {         \
     rms_norm(h, add, weight, out, rows, dim, eps);                                                                    \
   }                                                                                                                   \
-  void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim) { silu_mul(gate_up, out, rows, dim); }  \
+  void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim) {                                     \
+    gated_mul<T, false>(gate_up, out, rows, dim);                                                                     \
+  }                                                                                                                   \
+  void gelu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim) {                                     \
+    gated_mul<T, true>(gate_up, out, rows, dim);                                                                      \
+  }                                                                                                                   \
   void rope_write_kv_##SUFFIX(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride,           \
                               const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n,  \
                               int64_t heads, int64_t kv_heads, int64_t head_dim) {                                   \

@@ -219,6 +219,7 @@ extern "C" {
                                  int64_t block_size, int64_t max_blocks, float scale, int64_t window);               \
   void rms_norm_##SUFFIX(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t dim, float eps);          \
   void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim);                                       \
+  void gelu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t dim);                                       \
   void rope_write_kv_##SUFFIX(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride,           \
                               const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, int64_t n,  \
                               int64_t heads, int64_t kv_heads, int64_t head_dim);                                    \

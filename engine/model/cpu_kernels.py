@@ -79,9 +79,10 @@ _ARGTYPES = {
     "decode_attention": [_PTR] * 6 + [_INT64] * 6 + [_FLOAT, _INT64],
     "rms_norm": [_PTR] * 4 + [_INT64] * 2 + [_FLOAT],
     "silu_mul": [_PTR] * 2 + [_INT64] * 2,
+    "gelu_mul": [_PTR] * 2 + [_INT64] * 2,
     "rope_write_kv": [_PTR, _INT64, _PTR, _INT64, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 4,
     # A decode step's layers in one call (engine/model/decode_step.py); it returns nonzero on failure.
-    "decode_layers": [_PTR, _INT64, _PTR, _PTR, LINEAR_FN, _PTR, _PTR, _INT64] + [_PTR] * 5 + [_INT64] * 3,
+    "decode_layers": [_PTR, _INT64, _PTR, _PTR, LINEAR_FN] + [_PTR] * 3 + [_INT64] * 2,
 }
 # Float32 only: the sampler's logits.
 _F32_ARGTYPES = {
@@ -421,12 +422,13 @@ def rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, ep
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [rows, 2 * dim] contiguous -> SiLU(gate) * up: [rows, dim]."""
+def silu_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """gate_up: [rows, 2 * dim] contiguous -> SiLU(gate) * up: [rows, dim]; with `gelu`, GELU's tanh
+    approximation of gate (Gemma's) in SiLU's place."""
     rows, width = gate_up.shape
     assert gate_up.is_contiguous()
     out = gate_up.new_empty(rows, width // 2)
-    _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    _kernel("gelu_mul" if gelu else "silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
 
 

@@ -26,14 +26,30 @@ struct Gemm {
   int64_t in_features;
 };
 
-// One decoder layer's weights (the norms' of the model's type).
+// One decoder layer's weights (the norms' of the model's type) and what it reads.
 struct Layer {
   const void* input_norm;
-  const void* post_norm;
-  const void* q_norm;  // per head, before RoPE (Qwen3), or null
-  const void* k_norm;  // null when q_norm is
+  const void* post_norm;  // after the residual add, before the MLP (Gemma: on attention's output)
+  const void* q_norm;     // per head, before RoPE (Qwen3, Gemma), or null
+  const void* k_norm;     // null when q_norm is
   Gemm qkv, out, gate_up, down;
-  int64_t window;  // 0: none
+  int64_t window;               // 0: none
+  const void* pre_ffn_norm;     // Gemma: after the residual add, before the MLP; null for the others
+  const void* post_ffn_norm;    // Gemma: on the MLP's output; null when pre_ffn_norm is
+  int64_t gelu;                 // the MLP's activation: GELU's tanh approximation (Gemma), else SiLU
+  int64_t group, index;         // its KV cache: layer `index` of Cache `group`
+  int64_t rope;                 // its RoPE table: 0 the global one, 1 the local one (Gemma's sliding layers)
+};
+
+// A group of layers' KV cache (engine/model/kv_cache.py: the full layers', the windowed ones') and
+// the micro-batch's rows in it.
+struct Cache {
+  void* kv;             // [layers of the group, 2, slots, kv_heads, head_dim]
+  int64_t slots;        // per layer: blocks * block_size
+  const int64_t* slot;  // [n]: where each row's key and value go
+  const int64_t* tables;  // [n, max_blocks]
+  const int64_t* lens;    // [n]
+  int64_t max_blocks;
 };
 
 // What every layer of the model shares.
@@ -65,9 +81,11 @@ void norm(float* h, const float* add, const void* w, float* out, int64_t rows, i
 void norm(uint16_t* h, const uint16_t* add, const void* w, uint16_t* out, int64_t rows, int64_t dim, float eps) {
   rms_norm_bf16(h, add, static_cast<const uint16_t*>(w), out, rows, dim, eps);
 }
-void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t dim) { silu_mul_f32(gate_up, out, rows, dim); }
-void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
-  silu_mul_bf16(gate_up, out, rows, dim);
+void gated_mul(bool gelu, const float* gate_up, float* out, int64_t rows, int64_t dim) {
+  (gelu ? gelu_mul_f32 : silu_mul_f32)(gate_up, out, rows, dim);
+}
+void gated_mul(bool gelu, const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
+  (gelu ? gelu_mul_bf16 : silu_mul_bf16)(gate_up, out, rows, dim);
 }
 template <typename T>
 void rope_write_kv(T* q, int64_t q_stride, T* k, int64_t k_stride, const T* v, int64_t v_stride, const T* cos,
@@ -169,24 +187,25 @@ T* scratch(std::vector<T>& v, int64_t size) {
 }
 
 // h: [n, hidden], the residual stream, updated in place to the stage's output (its last layer's
-// MLP output added). kv: [layers, 2, slots, kv_heads, head_dim] (`slots` = blocks * block_size).
-// cos, sin: [n, head_dim] (sin signed, see model.py); slots: [n]; tables: [n, max_blocks]; lens: [n].
-// Returns 0, or 1 when a caller's linear failed.
+// MLP output added). caches: the groups' (Cache), ropes: cos and sin of the global table, then of
+// the local one ([n, head_dim] each; sin signed, see model.py). Returns 0, or 1 when a caller's
+// linear failed.
 template <typename T>
 int decode_layers(const Layer* layers, int64_t num_layers, const Dims& d, const Buffers& buf, LinearFn linear, T* h,
-                  T* kv, int64_t cache_slots, const T* cos, const T* sin, const int64_t* slots, const int64_t* tables,
-                  const int64_t* lens, int64_t n, int64_t max_blocks, int64_t block_size) {
+                  const Cache* caches, const T* const* ropes, int64_t n, int64_t block_size) {
   const int64_t q_out = d.heads * d.head_dim, kv_out = d.kv_heads * d.head_dim;
-  const int64_t cache_elems = cache_slots * kv_out;  // one layer's keys (or values)
-  thread_local std::vector<T> q_v, raw_q_v, raw_k_v, k_normed_v;  // the last three with q/k norms only
+  thread_local std::vector<T> q_v, raw_q_v, raw_k_v, k_normed_v, normed_out_v;  // q/k norms, Gemma's norms
   T* normed = static_cast<T*>(buf.normed);
   T* attn = static_cast<T*>(buf.attn);
   T* act = static_cast<T*>(buf.act);
   T* pending = nullptr;  // the previous layer's MLP output
   for (int64_t i = 0; i < num_layers; ++i) {
     const Layer& l = layers[i];
-    T* k_cache = kv + 2 * i * cache_elems;
+    const Cache& c = caches[l.group];
+    const int64_t cache_elems = c.slots * kv_out;  // one layer's keys (or values)
+    T* k_cache = static_cast<T*>(c.kv) + 2 * l.index * cache_elems;
     T* v_cache = k_cache + cache_elems;
+    const T *cos = ropes[2 * l.rope], *sin = ropes[2 * l.rope + 1];
     norm(h, i == 0 ? nullptr : pending, l.input_norm, normed, n, d.hidden, d.eps);
     T* qkv = gemm(l.qkv, normed, static_cast<T*>(buf.qkv), n, linear, i, 0);
     if (qkv == nullptr) return 1;
@@ -204,21 +223,32 @@ int decode_layers(const Layer* layers, int64_t num_layers, const Dims& d, const 
       norm(raw_k, nullptr, l.k_norm, k_rope, n * d.kv_heads, d.head_dim, d.eps);
       q_rope = q, q_stride = q_out, k_stride = kv_out;
     }
-    rope_write_kv(q_rope, q_stride, k_rope, k_stride, qkv + q_out + kv_out, width, cos, sin, slots, k_cache, v_cache,
+    rope_write_kv(q_rope, q_stride, k_rope, k_stride, qkv + q_out + kv_out, width, cos, sin, c.slot, k_cache, v_cache,
                   n, d.heads, d.kv_heads, d.head_dim);
     if (l.q_norm == nullptr) rows(qkv, width, q, q_out, n);  // the rotated queries
-    attention(q, k_cache, v_cache, tables, lens, attn, n, d.heads, d.kv_heads, d.head_dim, block_size, max_blocks,
-              d.scale, l.window);
-    const T* proj = gemm(l.out, attn, static_cast<T*>(buf.proj), n, linear, i, 1);
+    attention(q, k_cache, v_cache, c.tables, c.lens, attn, n, d.heads, d.kv_heads, d.head_dim, block_size,
+              c.max_blocks, d.scale, l.window);
+    T* proj = gemm(l.out, attn, static_cast<T*>(buf.proj), n, linear, i, 1);
     if (proj == nullptr) return 1;
-    norm(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
-    if (!silu_gemm(l.gate_up, normed, act, n)) {
+    if (l.pre_ffn_norm != nullptr) {  // as GemmaDecoderLayer.forward: attention's output normed, then added
+      T* normed_proj = scratch(normed_out_v, n * d.hidden);
+      norm(proj, nullptr, l.post_norm, normed_proj, n, d.hidden, d.eps);
+      norm(h, normed_proj, l.pre_ffn_norm, normed, n, d.hidden, d.eps);
+    } else {
+      norm(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
+    }
+    if (l.gelu || !silu_gemm(l.gate_up, normed, act, n)) {
       const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
       if (gate_up == nullptr) return 1;
-      silu_mul(gate_up, act, n, l.gate_up.out_features / 2);
+      gated_mul(l.gelu != 0, gate_up, act, n, l.gate_up.out_features / 2);
     }
     pending = gemm(l.down, act, static_cast<T*>(buf.pending), n, linear, i, 3);
     if (pending == nullptr) return 1;
+    if (l.post_ffn_norm != nullptr) {  // Gemma: the MLP's output normed before the next layer adds it
+      T* normed_mlp = scratch(normed_out_v, n * d.hidden);
+      norm(pending, nullptr, l.post_ffn_norm, normed_mlp, n, d.hidden, d.eps);
+      pending = normed_mlp;
+    }
   }
   if (num_layers > 0)
     for (int64_t j = 0; j < n * d.hidden; ++j) store(h + j, to_float(h[j]) + to_float(pending[j]));
@@ -231,11 +261,9 @@ extern "C" {
 
 #define PPSERVE_DECODE_STEP(SUFFIX, T)                                                                                \
   int decode_layers_##SUFFIX(const Layer* layers, int64_t num_layers, const Dims* dims, const Buffers* buf,          \
-                             LinearFn linear, T* h, T* kv, int64_t cache_slots, const T* cos, const T* sin,          \
-                             const int64_t* slots, const int64_t* tables, const int64_t* lens, int64_t n,            \
-                             int64_t max_blocks, int64_t block_size) {                                               \
-    return decode_layers(layers, num_layers, *dims, *buf, linear, h, kv, cache_slots, cos, sin, slots, tables, lens, \
-                         n, max_blocks, block_size);                                                                  \
+                             LinearFn linear, T* h, const Cache* caches, const T* const* ropes, int64_t n,           \
+                             int64_t block_size) {                                                                    \
+    return decode_layers(layers, num_layers, *dims, *buf, linear, h, caches, ropes, n, block_size);                  \
   }
 
 PPSERVE_DECODE_STEP(f32, float)

@@ -7,7 +7,8 @@ the same kernels in the same order from C++, so the result is bitwise the same: 
 tokens do not depend on which path their micro-batch took.
 
 It applies where every layer's norms, RoPE, attention and activation run on the library (float32
-or bfloat16 on the CPU). A linear that runs one of the library's GEMMs (ppserve's float or
+or bfloat16 on the CPU; Gemma 3's layers in float32, where its norms do: its norms around attention
+and the MLP, GELU, and sliding layers with a RoPE table and a KV group of their own). A linear that runs one of the library's GEMMs (ppserve's float or
 quantized GEMM) is called from C++ too; any other (oneDNN's, which bfloat16's float linears run
 where the CPU lacks AVX-512 BF16) is called back here, as the same module on the same input, in
 buffers this side owns.
@@ -27,7 +28,8 @@ from ppserve.engine.model.attention import AttentionMetadata
 from ppserve.engine.model.gguf_quant import GGUFLinear
 
 if TYPE_CHECKING:  # model.py builds a DecodeStep
-    from ppserve.engine.model.model import DecoderLayer
+    from ppserve.engine.model.kv_cache import StageKvCache
+    from ppserve.engine.model.model import DecoderLayer, RMSNorm
 
 # A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm; the others
 # are the caller's (kind 1), run through the callback.
@@ -59,6 +61,23 @@ class _Layer(ctypes.Structure):
         ("gate_up", _Gemm),
         ("down", _Gemm),
         ("window", ctypes.c_int64),
+        ("pre_ffn_norm", ctypes.c_void_p),
+        ("post_ffn_norm", ctypes.c_void_p),
+        ("gelu", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("index", ctypes.c_int64),
+        ("rope", ctypes.c_int64),
+    ]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [
+        ("kv", ctypes.c_void_p),
+        ("slots", ctypes.c_int64),
+        ("slot", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("lens", ctypes.c_void_p),
+        ("max_blocks", ctypes.c_int64),
     ]
 
 
@@ -93,6 +112,13 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
+def _norm_weight(norm: RMSNorm) -> torch.Tensor:
+    """What the library's rms_norm takes as the norm's weight: Gemma's 1 + w (GemmaRMSNorm.scale), else w."""
+    weight = getattr(norm, "scale", None) if hasattr(norm, "scale") else norm.weight
+    assert weight is not None, "a Gemma norm's scale is made by use_kernel"
+    return weight.detach().contiguous()
+
+
 class DecodeStep:
     """The layers of one stage, as the library's decode step runs them."""
 
@@ -111,6 +137,7 @@ class DecodeStep:
         self.dims = dims
         self.dtype = dtype
         self.keep = keep  # the norms' weights, alive as long as their pointers are
+        self.where: tuple[tuple[bool, int], ...] | None = None  # the layers' caches as last set (_locate)
         # The linears the C++ side calls back for: (layer, which) -> forward, which as in LinearFn.
         self.linears = [
             [lin.forward for lin in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
@@ -144,16 +171,23 @@ class DecodeStep:
         keep: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            modules = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-            norms = [None if n is None else n.weight.detach().contiguous() for n in modules]
-            if not (attn.fast and mlp.fast) or any(n is not None and n.dtype != dtype for n in norms):
+            modules = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+            # GemmaDecoderLayer's (model.py imports this module: no isinstance here)
+            modules += [
+                getattr(layer, name, None) for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            ]
+            if not (attn.fast and mlp.fast) or any(n is not None and not n.fast for n in modules):
+                return None  # (Gemma's norms run on the library in float32 only)
+            norms = [None if n is None else _norm_weight(n) for n in modules]
+            if any(n is not None and n.dtype != dtype for n in norms):
                 return None
             if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):
                 return None  # the step takes one eps for every norm
             gemms = [_gemm(linear) for linear in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
             keep += [n for n in norms if n is not None]
             pointers = [None if n is None else n.data_ptr() for n in norms]
-            structs.append(_Layer(*pointers, *gemms, attn.window or 0))
+            rope = int(attn.rope == "local")
+            structs.append(_Layer(*pointers[:4], *gemms, attn.window or 0, *pointers[4:], int(mlp.gelu), 0, 0, rope))
         if len({(s.qkv.out_features, s.gate_up.out_features) for s in structs}) > 1:
             return None  # one set of buffers serves every layer
         attn, norm = layers[0].self_attn, layers[0].input_layernorm
@@ -162,9 +196,15 @@ class DecodeStep:
 
     @staticmethod
     def applies(md: AttentionMetadata, rows: int) -> bool:
-        """Whether a micro-batch of `rows` rows is decode tokens only, in row order."""
-        d = md.decode
-        return not md.prefills and d is not None and d.rows == slice(0, rows)
+        """Whether a micro-batch of `rows` rows is decode tokens only, in row order (in each group)."""
+        groups = (md,) if md.window is None else (md, md.window)
+        return all(not g.prefills and g.decode is not None and g.decode.rows == slice(0, rows) for g in groups)
+
+    def _locate(self, where: tuple[tuple[bool, int], ...]) -> None:
+        """Each layer's cache: its group (1: the windowed layers') and place in it (StageKvCache.where)."""
+        for layer, (windowed, index) in zip(self.layers, where, strict=True):
+            layer.group, layer.index = int(windowed), index
+        self.where = where
 
     def _linear(self, layer: int, which: int, rows: int) -> int:
         """decode_step.cpp's LinearFn: a linear that is not the library's, as its module runs it."""
@@ -177,23 +217,44 @@ class DecodeStep:
             return 0
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, md: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: StageKvCache,
+        md: AttentionMetadata,
     ) -> None:
-        """h: [n, hidden], the residual stream, updated in place to the stage's output; cos, sin:
-        [n, 1, head_dim] as StageModel.forward makes them; kv: the stage's whole cache,
-        [layers, 2, blocks, block_size, kv_heads, head_dim]. Only where `applies`."""
-        d = md.decode
-        assert d is not None and h.dtype == self.dtype and all(t.is_contiguous() for t in (h, cos, sin, kv))
-        tables, lens, slots = d.block_tables.contiguous(), d.context_lens.contiguous(), md.slot_mapping.contiguous()
+        """h: [n, hidden], the residual stream, updated in place to the stage's output; ropes: cos and
+        sin ([n, 1, head_dim]) by kind ("global", "local"), as StageModel.forward makes them;
+        kv_cache: the stage's, by group. Only where `applies`."""
+        assert h.dtype == self.dtype and h.is_contiguous()
+        if kv_cache.where != self.where:
+            self._locate(kv_cache.where)
+        alive: list[torch.Tensor] = []  # what the pointers below point into, alive for the call
+
+        def cache(kv: torch.Tensor | None, g: AttentionMetadata | None) -> _Cache:
+            if kv is None or g is None:
+                return _Cache()  # a group no layer here reads
+            d = g.decode
+            assert d is not None and kv.is_contiguous()
+            tensors = [d.block_tables.contiguous(), d.context_lens.contiguous(), g.slot_mapping.contiguous()]
+            alive.extend(tensors)
+            tables, lens, slots = (t.data_ptr() for t in tensors)
+            return _Cache(kv.data_ptr(), kv.shape[2] * kv.shape[3], slots, tables, lens, d.block_tables.shape[1])
+
+        caches = (_Cache * 2)(cache(kv_cache.full, md), cache(kv_cache.window, md.window))
+        cos, sin = ropes.get("global") or ropes["local"]
+        cos_local, sin_local = ropes.get("local", (cos, sin))
+        assert all(t.is_contiguous() for t in (cos, sin, cos_local, sin_local))
+        tables = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in (cos, sin, cos_local, sin_local)))
         n = h.shape[0]
         buf = {name: h.new_empty(n, width) for name, width in self.widths.items()}
         self._inputs = [buf["normed"], buf["attn"], buf["normed"], buf["act"]]
         buffers = _Buffers(**{name: t.data_ptr() for name, t in buf.items()})
         self._error = None
+        assert md.decode is not None
         failed = self.fn(
             ctypes.byref(self.layers), len(self.layers), ctypes.byref(self.dims), ctypes.byref(buffers), self.callback,
-            h.data_ptr(), kv.data_ptr(), kv.shape[2] * kv.shape[3], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), lens.data_ptr(), n, tables.shape[1], d.block_size,
+            h.data_ptr(), caches, tables, n, md.decode.block_size,
         )  # fmt: skip
         self._inputs, self._outputs = [], [None] * 4
         if failed:

@@ -139,14 +139,5 @@ class StageKvCache:
             return self.window[i], md.window
         return self.full[i], md
 
-    def whole(self, md: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata] | None:
-        """The stage's every layer in one group: its tensor and metadata (None if both groups have
-        layers here)."""
-        kinds = {windowed for windowed, _ in self.where}
-        if kinds == {True}:
-            assert self.window is not None and md.window is not None
-            return self.window, md.window
-        return (self.full, md) if kinds == {False} else None
-
     def tensors(self) -> list[torch.Tensor]:
         return [self.full] if self.window is None else [self.full, self.window]

@@ -189,11 +189,11 @@ class MLP(nn.Module):
         if isinstance(self.gate_up, Linear) and self.gate_up.silu:  # its GEMM applied the SiLU
             return self.down(self.gate_up(x))
         gate_up = self.gate_up(x)
+        if self.fast:
+            return self.down(cpu_kernels.silu_mul(gate_up, gelu=self.gelu))
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down(F.gelu(gate, approximate="tanh") * up)
-        if self.fast:
-            return self.down(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -307,8 +307,7 @@ class StageModel(nn.Module):
             self.model.norm.use_kernel(fast)
         if self.cfg.rope_local is not None:  # the stage runner sets the global table, built on the meta device
             self.inv_freq_local = rope_inv_freq(self.cfg.rope_local, self.cfg.head_dim).to(device)
-        # The C++ decode step runs the Llama family's layer only.
-        self.decode_step = None if self.cfg.gemma_norms else DecodeStep.build(layers)
+        self.decode_step = DecodeStep.build(layers)
 
     def forward(
         self,
@@ -328,10 +327,8 @@ class StageModel(nn.Module):
             h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         # One RoPE table per kind this stage's layers use (Gemma 3's sliding layers: their own base).
         rope = {kind: self._rope_table(kind, positions, h.dtype) for kind in set(self.layer_ropes)}
-        whole = kv_cache.whole(md)  # the decode step takes one cache: every layer here in one group
-        if self.decode_step is not None and whole is not None and self.decode_step.applies(whole[1], h.shape[0]):
-            cos, sin = rope["global"]
-            self.decode_step(h, cos, sin, *whole)  # the same kernels as the loop below, from C++
+        if self.decode_step is not None and self.decode_step.applies(md, h.shape[0]):
+            self.decode_step(h, rope, kv_cache, md)  # the same kernels as the loop below, from C++
             return h
         pending = None
         for local, layer in enumerate(self.model.layers.values()):
