@@ -2,7 +2,7 @@
 // y = x @ W.T + b for x: [M, K], W: [N, K] as a linear layer holds it, y: [M, N], every operand
 // row-major and contiguous, W repacked once at load into the kernel's own layout.
 //
-// - float_gemm (float32): W in groups of 32 output rows, input-major within a group, so that at
+// - float_gemm (float32, AVX-512 or AVX2): W in groups of 32 output rows, input-major within a group, so that at
 //   each input k one load brings the 32 rows' weights and each activation row adds x[m][k] times
 //   them into two registers: no horizontal sums, and one code path from batch 1 (a pass over the
 //   weights at memory speed) to prefill (8 rows per pass, the weights of a group kept in cache).
@@ -17,7 +17,7 @@ namespace {
 
 using namespace ppserve;
 
-#if defined(PPSERVE_FLOAT_GEMM)
+#if defined(PPSERVE_FLOAT_GEMM) && defined(__AVX512F__)
 
 // Float32 weights, per group of 32 output rows: [K][32], row n0 + l's input k at k * 32 + l (the
 // last group padded with zero rows). Every output is one sum over k in order, fused multiply-adds
@@ -190,7 +190,121 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
   }
 }
 #endif  // AVX-512 BF16
-#endif  // AVX-512
+#elif defined(PPSERVE_FLOAT_GEMM)  // AVX2
+
+// float_gemm on 256-bit vectors, for CPUs without AVX-512: the same layout and the same sums, each
+// output one fused multiply-add per k in order, so that its results are bitwise those of the
+// AVX-512 build and a row's do not depend on its batch. A group's 32 rows are four registers: one
+// activation row takes all four (batch 1: four independent sums a k, a pass over the weights at
+// memory speed); more rows take the group in two halves of 16 (lanes 0-15 lie in one cache line of
+// each k, 16-31 in the next), six rows at a time, so that 12 accumulators fit the 16 registers.
+// GCC kept the accumulators on the stack, stored every k, until told to unroll the loops (2-2.6x
+// oneDNN's time from 32 rows on; unrolled, on SmolLM2's shapes, AMD EPYC, 2 threads: 0.31-0.38x
+// oneDNN's packed linear at one row, 0.86-0.92x at 32, 0.96-1.08x at 512).
+constexpr int64_t kFLanes = 32;
+constexpr int kFRows = 6;
+constexpr int64_t kFChunk = 256;
+
+// Rows x[0, R) against `V` registers of the group from lane 8 * first: out[V * i + j] = the rows'
+// sums for lanes 8 * (first + j) .. + 7.
+template <int R, int V>
+[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next,
+                                               int first, __m256* out) {
+  __m256 acc[V * R];
+#pragma GCC unroll 24
+  for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
+  w += 8 * first;
+  if (next != nullptr) next += 8 * first;
+  for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + k * kFLanes + 8 * j), _MM_HINT_T1);
+    __m256 wj[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) wj[j] = _mm256_loadu_ps(w + k * kFLanes + 8 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[V * i + j] = _mm256_fmadd_ps(xi, wj[j], acc[V * i + j]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int i = 0; i < V * R; ++i) out[i] = acc[i];
+}
+
+template <int R>
+[[gnu::always_inline]] inline void half_rows(int rows, const float* x, int64_t K, const float* w, const float* next,
+                                             int first, __m256* acc) {
+  if constexpr (R == 1) {
+    float_group<1, 2>(x, K, w, next, first, acc);
+  } else if (rows == R) {
+    float_group<R, 2>(x, K, w, next, first, acc);
+  } else {
+    half_rows<R - 1>(rows, x, K, w, next, first, acc);
+  }
+}
+
+// One pass over the group's weights (`half` -1: all 32 lanes, one row; else lanes 16 * half .. + 15),
+// a call of its own (float_pass's reason above, in the AVX-512 build).
+[[gnu::noinline]] void float_pass(int rows, const float* x, int64_t K, const float* w, const float* next, int half,
+                                  __m256* acc) {
+  if (half < 0) {
+    float_group<1, 4>(x, K, w, next, 0, acc);
+  } else {
+    half_rows<kFRows>(rows, x, K, w, next, 2 * half, acc);
+  }
+}
+
+inline __m256i lane_mask8(int64_t lanes) {  // the first `lanes` (0 to 8) of eight
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(lanes, 0, 8))), index);
+}
+
+template <bool Silu>
+void float_gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+    shared_for(groups, [&](int64_t g, int64_t after) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const float* wg = w + g * K * kFLanes;
+      __m256i masks[4];
+      __m256 b[4];
+      for (int j = 0; j < 4; ++j) {
+        masks[j] = lane_mask8(lanes - 8 * j);
+        b[j] = bias == nullptr ? _mm256_setzero_ps() : _mm256_maskload_ps(bias + n0 + 8 * j, masks[j]);
+      }
+      for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;  // as AVX-512's
+        const float* next = fetch_next ? w + after * K * kFLanes : nullptr;
+        __m256 v[4 * kFRows];  // row i's lanes 8j .. 8j + 7 at 4i + j, bias added
+        if (rows == 1) {
+          float_pass(1, x + r0 * K, K, wg, next, -1, v);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            __m256 acc[2 * kFRows];
+            float_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          for (int j = 0; j < 4; ++j) v[4 * i + j] = _mm256_add_ps(v[4 * i + j], b[j]);
+          if constexpr (Silu) {  // lanes 0-15 gate, 16-31 up
+            float* out = y + (r0 + i) * (N / 2) + g * 16;
+            _mm256_storeu_ps(out, _mm256_mul_ps(silu8(v[4 * i]), v[4 * i + 2]));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(silu8(v[4 * i + 1]), v[4 * i + 3]));
+          } else {
+            float* out = y + (r0 + i) * N + n0;
+            for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(out + 8 * j, masks[j], v[4 * i + j]);
+          }
+        }
+      }
+    });
+  }
+}
+#endif  // AVX-512, AVX2
 
 #if defined(PPSERVE_QUANT_GEMM)
 

@@ -199,8 +199,8 @@ void shared_for(int64_t n, F&& f) {
 
 }  // namespace ppserve
 
-// The GEMMs each CPU gets (cpu_gemm.cpp): float32 with AVX-512, the quantized ones with VNNI too.
-#if defined(__AVX512F__)
+// The GEMMs each CPU gets (cpu_gemm.cpp): float32 with AVX-512 or AVX2, the quantized ones with VNNI too.
+#if defined(__AVX512F__) || defined(PPSERVE_AVX2)
 #define PPSERVE_FLOAT_GEMM 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)

@@ -16,7 +16,7 @@ one library, loaded with ctypes.
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
 - Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
   unpacking the bits with torch ops costs a fraction of a millisecond).
-- The float32 and bfloat16 GEMMs of the linears (engine/model/linear.py): a model's step at batch
+- The float32 (AVX-512 or AVX2) and bfloat16 GEMMs of the linears (engine/model/linear.py): a model's step at batch
   1 is mostly one read of its weights, which oneDNN's kernels for a few rows do well below the
   memory's speed; ppserve's reads them at memory speed, and stays within 10% of oneDNN's at
   prefill sizes. The bfloat16 one (CPUs with AVX-512 BF16) also spares a decode step its calls
@@ -237,7 +237,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def float_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `FloatGemm` runs here: the library built with its float GEMM for `dtype` (float32 with
-    AVX-512, bfloat16 where the CPU has AVX-512 BF16 too)."""
+    AVX-512 or AVX2, bfloat16 where the CPU has AVX-512 BF16)."""
     return available(device, dtype) and hasattr(load(), f"float_gemm_{KERNEL_DTYPES[dtype]}")
 
 

@@ -3,9 +3,10 @@ and on the CPU weights laid out once for the kernel that runs them.
 
 Decode GEMMs are skinny (a handful to a few hundred rows against thousands of columns). There the
 BLAS call behind `F.linear` is slow; the weight laid out once for a kernel is not:
-- float32: ppserve's own GEMM (engine/model/cpu_gemm.cpp), where the CPU kernel library is built:
-  at batch 1 a step reads every weight once, and this kernel reads them at memory speed, in
-  0.55-0.8x oneDNN's time; from 32 rows on the two are within 10% (scripts/bench_quant.py).
+- float32: ppserve's own GEMM (engine/model/cpu_gemm.cpp, AVX-512 or AVX2), where the CPU kernel
+  library is built: at batch 1 a step reads every weight once, and this kernel reads them at memory
+  speed, in 0.55-0.8x oneDNN's time (AVX2: 0.3-0.4x); from 32 rows on the two are within 10%
+  (scripts/bench_quant.py).
 - bfloat16: the same GEMM with bfloat16 dot products where the CPU has AVX-512 BF16: 0.2-0.6x
   oneDNN's time at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 rows.
 - elsewhere (and without the library): oneDNN with the weights reordered once into its blocked
