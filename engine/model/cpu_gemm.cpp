@@ -7,7 +7,8 @@
 //   them into two registers: no horizontal sums, and one code path from batch 1 (a pass over the
 //   weights at memory speed) to prefill (8 rows per pass, the weights of a group kept in cache).
 //   float_gemm_silu: the same for an MLP's gate and up projections, SiLU(gate) * up its output.
-//   float_gemm_bf16: bfloat16, the same layout by pairs of inputs (built where the CPU has AVX-512 BF16).
+//   float_gemm_bf16: bfloat16, the same layout by pairs of inputs (AVX-512 BF16's dot products, or
+//   AVX2 widening each pair to float).
 // - quant_gemm_q4 / quant_gemm_q8: W kept as 4- or 8-bit integers (built only where the CPU has
 //   AVX-512 VNNI).
 
@@ -55,7 +56,7 @@ template <int R>
   for (int i = 0; i < 2 * R; ++i) out[i] = acc[i];
 }
 
-#if defined(PPSERVE_BF16_GEMM)
+#if defined(PPSERVE_BF16_GEMM) && defined(__AVX512BF16__)
 // The same GEMM on bfloat16 weights and activations, with the CPU's bfloat16 dot products
 // (vdpbf16ps: a lane adds the products of a pair of inputs). Per group of 32 output rows the
 // weights are [K / 2][32] pairs: at input pair p one 64-byte load brings 16 rows' pairs, and each
@@ -155,7 +156,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
   }
 }
 
-#if defined(PPSERVE_BF16_GEMM)
+#if defined(PPSERVE_BF16_GEMM) && defined(__AVX512BF16__)
 inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 x) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16)));
 }
@@ -299,6 +300,102 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
             float* out = y + (r0 + i) * N + n0;
             for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(out + 8 * j, masks[j], v[4 * i + j]);
           }
+        }
+      }
+    });
+  }
+}
+
+// bfloat16 weights and activations on AVX2, which has no bfloat16 arithmetic: the AVX-512 BF16
+// build's layout (per group, [K / 2][32] pairs of inputs), each pair widened to two float vectors
+// (a bfloat16 is a float's high half: the even input's by a shift, the odd one's by a mask) and
+// multiplied in float, accumulated in float32 and rounded to bfloat16 once, with the bias. At batch
+// 1 the weights are read at half float32's bytes. Every output is one sum over k in order, so a
+// row's result does not depend on its batch (it need not equal the AVX-512 BF16 build's, whose
+// dot products add a pair's two products first).
+template <int R, int V>
+[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                              int first, __m256* out) {
+  __m256 acc[V * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
+  w += 8 * first;
+  if (next != nullptr) next += 8 * first;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < K / 2; ++p) {
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 8 * j), _MM_HINT_T1);
+    __m256 even[V], odd[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kFLanes + 8 * j));
+      even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      odd[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 x0 = _mm256_set1_ps(to_float(x[i * K + 2 * p])), x1 = _mm256_set1_ps(to_float(x[i * K + 2 * p + 1]));
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[V * i + j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[V * i + j]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < V * R; ++i) out[i] = acc[i];
+}
+
+constexpr int kBRows = 4;  // rows a half-group pass: 8 accumulators, 4 widened weight registers
+
+template <int R>
+[[gnu::always_inline]] inline void bf16_half_rows(int rows, const uint16_t* x, int64_t K, const uint32_t* w,
+                                                  const uint32_t* next, int first, __m256* acc) {
+  if constexpr (R == 1) {
+    bf16_group<1, 2>(x, K, w, next, first, acc);
+  } else if (rows == R) {
+    bf16_group<R, 2>(x, K, w, next, first, acc);
+  } else {
+    bf16_half_rows<R - 1>(rows, x, K, w, next, first, acc);
+  }
+}
+
+[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                 int half, __m256* acc) {
+  if (half < 0) {
+    bf16_group<1, 4>(x, K, w, next, 0, acc);
+  } else {
+    bf16_half_rows<kBRows>(rows, x, K, w, next, 2 * half, acc);
+  }
+}
+
+// float_gemm<false>'s loop on bfloat16 (float_gemm_bf16's layout): K even, y: [M, N].
+void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+               int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+    shared_for(groups, [&](int64_t g, int64_t after) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const uint32_t* wg = w + g * (K / 2) * kFLanes;
+      float b[kFLanes] = {};
+      for (int64_t l = 0; l < lanes && bias != nullptr; ++l) b[l] = to_float(bias[n0 + l]);
+      for (int64_t r0 = c0; r0 < c1; r0 += kBRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBRows, c1 - r0));
+        const bool fetch_next = (r0 == c0 + kBRows || c1 - c0 <= kBRows) && after >= 0;
+        const uint32_t* next = fetch_next ? w + after * (K / 2) * kFLanes : nullptr;
+        __m256 v[4 * kBRows];  // row i's lanes 8j .. 8j + 7 at 4i + j
+        if (rows == 1) {
+          bf16_pass(1, x + r0 * K, K, wg, next, -1, v);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            __m256 acc[2 * kBRows];
+            bf16_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          alignas(32) uint16_t out[kFLanes];
+          for (int j = 0; j < 4; ++j) store8(out + 8 * j, round8<uint16_t>(_mm256_add_ps(v[4 * i + j], _mm256_loadu_ps(b + 8 * j))));
+          std::memcpy(y + (r0 + i) * N + n0, out, lanes * sizeof(uint16_t));
         }
       }
     });

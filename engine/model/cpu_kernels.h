@@ -206,7 +206,8 @@ void shared_for(int64_t n, F&& f) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PPSERVE_QUANT_GEMM 1
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// bfloat16: with the CPU's bfloat16 dot products (AVX-512 BF16), or AVX2 widening the weights to float.
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || defined(PPSERVE_AVX2)
 #define PPSERVE_BF16_GEMM 1
 #endif
 

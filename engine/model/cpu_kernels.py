@@ -237,7 +237,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def float_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `FloatGemm` runs here: the library built with its float GEMM for `dtype` (float32 with
-    AVX-512 or AVX2, bfloat16 where the CPU has AVX-512 BF16)."""
+    AVX-512 or AVX2; bfloat16 with AVX-512 BF16, or AVX2 widening it to float)."""
     return available(device, dtype) and hasattr(load(), f"float_gemm_{KERNEL_DTYPES[dtype]}")
 
 

@@ -8,7 +8,8 @@ BLAS call behind `F.linear` is slow; the weight laid out once for a kernel is no
   speed, in 0.55-0.8x oneDNN's time (AVX2: 0.3-0.4x); from 32 rows on the two are within 10%
   (scripts/bench_quant.py).
 - bfloat16: the same GEMM with bfloat16 dot products where the CPU has AVX-512 BF16: 0.2-0.6x
-  oneDNN's time at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 rows.
+  oneDNN's time at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 rows. With AVX2 alone (where
+  oneDNN has no bfloat16 linear) it widens the weights to float: 0.2-0.5x torch's time at 1-256 rows.
 - elsewhere (and without the library): oneDNN with the weights reordered once into its blocked
   layout, 1.3-2x faster than `F.linear` in float32 and 2-4x in bfloat16.
 Fusing q/k/v and gate/up turns five calls per layer into two wider ones.
