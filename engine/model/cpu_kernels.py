@@ -67,7 +67,8 @@ from ppserve.engine.model.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "decode_step.cpp", "gguf_gemm.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_gemm_avx2.cpp", "decode_step.cpp", "gguf_gemm.cpp")
 ]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's name suffix

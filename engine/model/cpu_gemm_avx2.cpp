@@ -1,0 +1,239 @@
+// The float32 and bfloat16 GEMMs of cpu_gemm.cpp for x86 CPUs with AVX2 but not AVX-512 (built into
+// the same library; see there for the layouts, which are the same, and cpu_kernels.cpp for the build).
+
+#include "cpu_kernels.h"
+
+#if defined(PPSERVE_AVX2) && !defined(__AVX512F__)
+
+namespace {
+
+using namespace ppserve;
+
+// float_gemm on 256-bit vectors, for CPUs without AVX-512: the same layout and the same sums, each
+// output one fused multiply-add per k in order, so that its results are bitwise those of the
+// AVX-512 build and a row's do not depend on its batch. A group's 32 rows are four registers: one
+// activation row takes all four (batch 1: four independent sums a k, a pass over the weights at
+// memory speed); more rows take the group in two halves of 16 (lanes 0-15 lie in one cache line of
+// each k, 16-31 in the next), six rows at a time, so that 12 accumulators fit the 16 registers.
+// GCC kept the accumulators on the stack, stored every k, until told to unroll the loops (2-2.6x
+// oneDNN's time from 32 rows on; unrolled, on SmolLM2's shapes, AMD EPYC, 2 threads: 0.31-0.38x
+// oneDNN's packed linear at one row, 0.86-0.92x at 32, 0.96-1.08x at 512).
+constexpr int64_t kFLanes = 32;
+constexpr int kFRows = 6;
+constexpr int64_t kFChunk = 256;
+
+// Rows x[0, R) against `V` registers of the group from lane 8 * first: out[V * i + j] = the rows'
+// sums for lanes 8 * (first + j) .. + 7.
+template <int R, int V>
+[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next,
+                                               int first, __m256* out) {
+  __m256 acc[V * R];
+#pragma GCC unroll 24
+  for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
+  w += 8 * first;
+  if (next != nullptr) next += 8 * first;
+  for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + k * kFLanes + 8 * j), _MM_HINT_T1);
+    __m256 wj[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) wj[j] = _mm256_loadu_ps(w + k * kFLanes + 8 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[V * i + j] = _mm256_fmadd_ps(xi, wj[j], acc[V * i + j]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int i = 0; i < V * R; ++i) out[i] = acc[i];
+}
+
+template <int R>
+[[gnu::always_inline]] inline void half_rows(int rows, const float* x, int64_t K, const float* w, const float* next,
+                                             int first, __m256* acc) {
+  if constexpr (R == 1) {
+    float_group<1, 2>(x, K, w, next, first, acc);
+  } else if (rows == R) {
+    float_group<R, 2>(x, K, w, next, first, acc);
+  } else {
+    half_rows<R - 1>(rows, x, K, w, next, first, acc);
+  }
+}
+
+// One pass over the group's weights (`half` -1: all 32 lanes, one row; else lanes 16 * half .. + 15),
+// a call of its own (float_pass's reason above, in the AVX-512 build).
+[[gnu::noinline]] void float_pass(int rows, const float* x, int64_t K, const float* w, const float* next, int half,
+                                  __m256* acc) {
+  if (half < 0) {
+    float_group<1, 4>(x, K, w, next, 0, acc);
+  } else {
+    half_rows<kFRows>(rows, x, K, w, next, 2 * half, acc);
+  }
+}
+
+inline __m256i lane_mask8(int64_t lanes) {  // the first `lanes` (0 to 8) of eight
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(lanes, 0, 8))), index);
+}
+
+template <bool Silu>
+void float_gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+    shared_for(groups, [&](int64_t g, int64_t after) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const float* wg = w + g * K * kFLanes;
+      __m256i masks[4];
+      __m256 b[4];
+      for (int j = 0; j < 4; ++j) {
+        masks[j] = lane_mask8(lanes - 8 * j);
+        b[j] = bias == nullptr ? _mm256_setzero_ps() : _mm256_maskload_ps(bias + n0 + 8 * j, masks[j]);
+      }
+      for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
+        const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;  // as AVX-512's
+        const float* next = fetch_next ? w + after * K * kFLanes : nullptr;
+        __m256 v[4 * kFRows];  // row i's lanes 8j .. 8j + 7 at 4i + j, bias added
+        if (rows == 1) {
+          float_pass(1, x + r0 * K, K, wg, next, -1, v);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            __m256 acc[2 * kFRows];
+            float_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          for (int j = 0; j < 4; ++j) v[4 * i + j] = _mm256_add_ps(v[4 * i + j], b[j]);
+          if constexpr (Silu) {  // lanes 0-15 gate, 16-31 up
+            float* out = y + (r0 + i) * (N / 2) + g * 16;
+            _mm256_storeu_ps(out, _mm256_mul_ps(silu8(v[4 * i]), v[4 * i + 2]));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(silu8(v[4 * i + 1]), v[4 * i + 3]));
+          } else {
+            float* out = y + (r0 + i) * N + n0;
+            for (int j = 0; j < 4; ++j) _mm256_maskstore_ps(out + 8 * j, masks[j], v[4 * i + j]);
+          }
+        }
+      }
+    });
+  }
+}
+
+// bfloat16 weights and activations on AVX2, which has no bfloat16 arithmetic: the AVX-512 BF16
+// build's layout (per group, [K / 2][32] pairs of inputs), each pair widened to two float vectors
+// (a bfloat16 is a float's high half: the even input's by a shift, the odd one's by a mask) and
+// multiplied in float, accumulated in float32 and rounded to bfloat16 once, with the bias. At batch
+// 1 the weights are read at half float32's bytes. Every output is one sum over k in order, so a
+// row's result does not depend on its batch (it need not equal the AVX-512 BF16 build's, whose
+// dot products add a pair's two products first).
+template <int R, int V>
+[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                              int first, __m256* out) {
+  __m256 acc[V * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
+  w += 8 * first;
+  if (next != nullptr) next += 8 * first;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < K / 2; ++p) {
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 8 * j), _MM_HINT_T1);
+    __m256 even[V], odd[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kFLanes + 8 * j));
+      even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      odd[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 x0 = _mm256_set1_ps(to_float(x[i * K + 2 * p])), x1 = _mm256_set1_ps(to_float(x[i * K + 2 * p + 1]));
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[V * i + j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[V * i + j]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < V * R; ++i) out[i] = acc[i];
+}
+
+constexpr int kBRows = 4;  // rows a half-group pass: 8 accumulators, 4 widened weight registers
+
+template <int R>
+[[gnu::always_inline]] inline void bf16_half_rows(int rows, const uint16_t* x, int64_t K, const uint32_t* w,
+                                                  const uint32_t* next, int first, __m256* acc) {
+  if constexpr (R == 1) {
+    bf16_group<1, 2>(x, K, w, next, first, acc);
+  } else if (rows == R) {
+    bf16_group<R, 2>(x, K, w, next, first, acc);
+  } else {
+    bf16_half_rows<R - 1>(rows, x, K, w, next, first, acc);
+  }
+}
+
+[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
+                                 int half, __m256* acc) {
+  if (half < 0) {
+    bf16_group<1, 4>(x, K, w, next, 0, acc);
+  } else {
+    bf16_half_rows<kBRows>(rows, x, K, w, next, 2 * half, acc);
+  }
+}
+
+// float_gemm<false>'s loop on bfloat16 (float_gemm_bf16's layout): K even, y: [M, N].
+void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+               int64_t K) {
+  const int64_t groups = (N + kFLanes - 1) / kFLanes;
+  for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
+    const int64_t c1 = std::min(M, c0 + kFChunk);
+    shared_for(groups, [&](int64_t g, int64_t after) {
+      const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
+      const uint32_t* wg = w + g * (K / 2) * kFLanes;
+      float b[kFLanes] = {};
+      for (int64_t l = 0; l < lanes && bias != nullptr; ++l) b[l] = to_float(bias[n0 + l]);
+      for (int64_t r0 = c0; r0 < c1; r0 += kBRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBRows, c1 - r0));
+        const bool fetch_next = (r0 == c0 + kBRows || c1 - c0 <= kBRows) && after >= 0;
+        const uint32_t* next = fetch_next ? w + after * (K / 2) * kFLanes : nullptr;
+        __m256 v[4 * kBRows];  // row i's lanes 8j .. 8j + 7 at 4i + j
+        if (rows == 1) {
+          bf16_pass(1, x + r0 * K, K, wg, next, -1, v);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            __m256 acc[2 * kBRows];
+            bf16_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          alignas(32) uint16_t out[kFLanes];
+          for (int j = 0; j < 4; ++j) store8(out + 8 * j, round8<uint16_t>(_mm256_add_ps(v[4 * i + j], _mm256_loadu_ps(b + 8 * j))));
+          std::memcpy(y + (r0 + i) * N + n0, out, lanes * sizeof(uint16_t));
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void float_gemm_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  float_gemm<false>(x, w, bias, y, M, N, K);
+}
+void float_gemm_silu_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                         int64_t K) {
+  float_gemm<true>(x, w, bias, y, M, N, K);
+}
+void float_gemm_bf16(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+                     int64_t K) {
+  bf16_gemm(x, w, bias, y, M, N, K);
+}
+
+}  // extern "C"
+
+#endif  // AVX2 without AVX-512
