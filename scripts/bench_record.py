@@ -11,7 +11,7 @@ Each `scripts/bench_*.py` (and `scripts/profile_step.py`) writes its results JSO
     argv       its command-line arguments
     settings   its parsed parameters (argparse's namespace, or what the script passes)
     env        the PPSERVE_* environment variables set, keys aside (they change what is measured)
-    machine    cpus, cpu_model (from /proc/cpuinfo), mem_gib, platform, python, torch
+    machine    cpus, cpu_model and the kernels' cpu_flags (from /proc/cpuinfo), mem_gib, platform, python, torch
 
 `scripts/bench_tables.py` reads them to say, under every table, what it was measured at.
 """
@@ -62,6 +62,35 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU flags that decide which kernels run (engine/model/cpu_kernels.py): one machine's figures
+# say which it had. Two CPUs of one "model name" (a virtual machine's "AMD EPYC") may differ here.
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_flags() -> list[str]:
+    """Which of KERNEL_FLAGS /proc/cpuinfo lists."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in KERNEL_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict[str, Any]:
     try:
         mem_gib: float | None = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -74,6 +103,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "mem_gib": mem_gib,
         "platform": platform.platform(),
         "python": platform.python_version(),
