@@ -21,6 +21,8 @@
 // so a request's tokens do not depend on how the pipeline batched it.
 
 #include "cpu_kernels.h"
+
+#include <cstdlib>
 #include <new>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -215,8 +217,8 @@ using UnpackRow = void (*)(const uint8_t*, int64_t, int8_t*, float*, float*);
 const UnpackRow kUnpackRow[] = {unpack_row_of<Q4_0>, unpack_row_of<Q4_1>, unpack_row_of<Q5_0>, unpack_row_of<Q5_1>,
                                 unpack_row_of<Q8_0>, unpack_row_of<Q4_K>, unpack_row_of<Q5_K>, unpack_row_of<Q6_K>};
 
-// x rounded to int8 per block of 32 (scale amax / 127), with each group of 16's sum times the
-// scale: q [K], d [K / 32], sums [K / 32].
+// x rounded to int8 per block of 32 (scale amax / 127), with each block's sum times the scale:
+// q [K], d [K / 32], sums [K / 32].
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -279,8 +281,8 @@ inline float acc_sum(Acc a) { return a; }
 #define PPSERVE_IN_ORDER __attribute__((optimize("no-associative-math", "fp-contract=off")))
 #endif
 template <int64_t t, int R, bool raw = false>
-PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x, int64_t r0,
-                      int64_t K, Acc* acc, float* off) {
+PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x,
+                                       int64_t r0, int64_t K, Acc* acc, float* off) {
   constexpr int64_t V = block_values(t);
   const int64_t blocks = K / 32;
   for (int64_t j = 0; j < V / 32; ++j) {
@@ -368,7 +370,8 @@ template <int64_t t, typename T>
 void tile_rows(const uint8_t* w, int64_t row_bytes, int rw, int64_t K, const QuantRows& x, int64_t M, Unpacked& u,
                const float* bias, T* y, int64_t N) {
   u.q.resize(kTileW * K), u.s.resize(kTileW * K / 16), u.o.resize(kTileW * K / 16);
-  for (int c = 0; c < rw; ++c) unpack_row_of<t>(w + c * row_bytes, K, u.q.data() + c * K, u.s.data() + c * K / 16, u.o.data() + c * K / 16);
+  for (int c = 0; c < rw; ++c)
+    unpack_row_of<t>(w + c * row_bytes, K, u.q.data() + c * K, u.s.data() + c * K / 16, u.o.data() + c * K / 16);
   for (int c = rw; c < kTileW; ++c) {  // rows past the end: zeros, computed and dropped
     std::fill_n(u.q.data() + c * K, K, 0), std::fill_n(u.s.data() + c * K / 16, K / 16, 0.0f);
     std::fill_n(u.o.data() + c * K / 16, K / 16, 0.0f);
@@ -402,6 +405,8 @@ constexpr int64_t kFewRows = 8;
 // Weight rows an item of work (up to kFewRows activation rows): few enough that the team's threads
 // finish together, enough that taking an item costs little beside it.
 constexpr int64_t kItemRows = 8;
+constexpr int64_t kMaxParts = 8;  // weights a linear concatenates (a fused q/k/v has three)
+static_assert(kTileW <= kItemRows, "an item's biases fit kItemRows");
 
 thread_local QuantRows t_rows;
 
@@ -427,7 +432,8 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   items.clear();
   for (int64_t p = 0; p < parts; ++p)
     for (int64_t n = 0; n < rows[p]; n += item_rows) items.emplace_back(p, n);
-  int64_t firsts[8] = {0};  // each part's first output column (a linear has a few parts)
+  int64_t firsts[kMaxParts] = {0};  // each part's first output column
+  if (parts > kMaxParts) std::abort();  // gguf_quant.py's GGUFLinear takes no more
   for (int64_t p = 1; p < parts; ++p) firsts[p] = firsts[p - 1] + rows[p - 1];
   const std::pair<int64_t, int64_t>* todo = items.data();
   shared_for(static_cast<int64_t>(items.size()), [&](int64_t item, int64_t) {
