@@ -29,7 +29,7 @@ from ppserve.engine.model.gguf_quant import GGUFLinear
 
 if TYPE_CHECKING:  # model.py builds a DecodeStep
     from ppserve.engine.model.kv_cache import StageKvCache
-    from ppserve.engine.model.model import DecoderLayer, RMSNorm
+    from ppserve.engine.model.model import DecoderLayer
 
 # A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm; the others
 # are the caller's (kind 1), run through the callback.
@@ -112,13 +112,6 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
-def _norm_weight(norm: RMSNorm) -> torch.Tensor:
-    """What the library's rms_norm takes as the norm's weight: Gemma's 1 + w (GemmaRMSNorm.scale), else w."""
-    weight = getattr(norm, "scale", None) if hasattr(norm, "scale") else norm.weight
-    assert weight is not None, "a Gemma norm's scale is made by use_kernel"
-    return weight.detach().contiguous()
-
-
 class DecodeStep:
     """The layers of one stage, as the library's decode step runs them."""
 
@@ -171,14 +164,10 @@ class DecodeStep:
         keep: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            modules = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
-            # GemmaDecoderLayer's (model.py imports this module: no isinstance here)
-            modules += [
-                getattr(layer, name, None) for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-            ]
+            modules = layer.norms()
             if not (attn.fast and mlp.fast) or any(n is not None and not n.fast for n in modules):
                 return None  # (Gemma's norms run on the library in float32 only)
-            norms = [None if n is None else _norm_weight(n) for n in modules]
+            norms = [None if n is None else n.kernel_weight() for n in modules]
             if any(n is not None and n.dtype != dtype for n in norms):
                 return None
             if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):

@@ -52,6 +52,10 @@ class RMSNorm(nn.Module):
         """After loading: whether the CPU kernel runs this norm (StageModel.fuse)."""
         self.fast = fast
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the CPU kernel's rms_norm multiplies by (engine/model/decode_step.py)."""
+        return self.weight.detach().contiguous()
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the normalised value times (1 + weight), both in float32, then cast to the
@@ -80,6 +84,10 @@ class GemmaRMSNorm(RMSNorm):
         # The kernel rounds the normalised value to the model dtype before it scales (Llama's
         # order): the same as Gemma's only where that rounding is none, in float32.
         self.fast = fast and self.weight.dtype == torch.float32
+
+    def kernel_weight(self) -> torch.Tensor:
+        assert self.scale is not None, "made by use_kernel"
+        return self.scale
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -223,6 +231,12 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm.add_and_norm(h, pending), cos, sin, kv, md)
         return self.mlp(self.post_attention_layernorm.add_and_norm(h, attn))
 
+    def norms(self) -> list[RMSNorm | None]:
+        """The layer's norms in decode_step.cpp's order: input, post-attention, q, k, and Gemma's
+        pre- and post-MLP ones (None where the layer has none)."""
+        attn = self.self_attn
+        return [self.input_layernorm, self.post_attention_layernorm, attn.q_norm, attn.k_norm, None, None]
+
 
 class GemmaDecoderLayer(DecoderLayer):
     """Gemma 3's layer: attention's and the MLP's outputs are normed too, before their residual add
@@ -247,6 +261,9 @@ class GemmaDecoderLayer(DecoderLayer):
         attn = self.post_attention_layernorm.add_and_norm(attn, None)
         mlp = self.mlp(self.pre_feedforward_layernorm.add_and_norm(h, attn))
         return self.post_feedforward_layernorm.add_and_norm(mlp, None)
+
+    def norms(self) -> list[RMSNorm | None]:
+        return [*super().norms()[:4], self.pre_feedforward_layernorm, self.post_feedforward_layernorm]
 
 
 class Backbone(nn.Module):
