@@ -44,7 +44,7 @@ from ppserve.engine.runtime.timeline import Timeline
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import Scheduler
-from ppserve.transport.messages import Sampled, StepResult
+from ppserve.transport.messages import Sampled, StageKernels, StepResult
 
 log = logging.getLogger("ppserve.engine")
 
@@ -182,6 +182,11 @@ class AsyncEngine:
     def stage_nodes(self) -> tuple[tuple[str, str], ...]:
         """Under Ray, per stage: its node's Ray id and address (for /health and /metrics)."""
         return self._pool.stage_nodes() if self._pool is not None else ()
+
+    @property
+    def stage_kernels(self) -> list[StageKernels]:
+        """Per stage: the CPU kernels it runs, its float linears' per row count (/debug/pipeline)."""
+        return list(self._pool.kernels) if self._pool is not None else []
 
     @property
     def recovering(self) -> bool:

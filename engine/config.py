@@ -97,6 +97,9 @@ class EngineConfig:
     compute_nice: int = 10
     cpu_kernels: bool = True  # decode attention and fused norm, RoPE, SiLU (PPSERVE_CPU_KERNELS=0: torch ops)
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
+    # Float linears run the kernel timed fastest per row count (PPSERVE_KERNEL_CHOICE=0: the
+    # defaults; engine/model/kernel_choice.py).
+    kernel_choice: bool = True
     # Debug: stages report every event-loop callback that uses more CPU than this
     # (PPSERVE_DEBUG_LOOP_MS; engine/runtime/loop_watch.py).
     debug_loop_ms: float | None = None

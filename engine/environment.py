@@ -26,6 +26,7 @@ from ppserve.engine.model.model_config import ConfigError
 SMOOTH_ENV = "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"
 PIN_STAGES_ENV = "PPSERVE_PIN_STAGES"
 CPU_KERNELS_ENV = "PPSERVE_CPU_KERNELS"
+KERNEL_CHOICE_ENV = "PPSERVE_KERNEL_CHOICE"
 LOOP_WATCH_ENV = "PPSERVE_DEBUG_LOOP_MS"
 DECODE_AHEAD_ENV = "PPSERVE_DECODE_AHEAD"
 COMPUTE_NICE_ENV = "PPSERVE_COMPUTE_NICE"
@@ -63,6 +64,8 @@ READERS: dict[str, Callable[[], Any]] = {
     "pin_stages": lambda: os.environ.get(PIN_STAGES_ENV, "0") == "1",
     # On unless switched off (then the forward pass runs torch ops only; engine/model/cpu_kernels.py).
     "cpu_kernels": lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0",
+    # On unless switched off (then each linear runs its dtype's default kernel; engine/model/kernel_choice.py).
+    "kernel_choice": lambda: os.environ.get(KERNEL_CHOICE_ENV, "1") != "0",
     # On unless switched off (A/B: the host's turnaround between decode steps; scheduler/scheduler.py).
     "decode_ahead": lambda: os.environ.get(DECODE_AHEAD_ENV, "1") != "0",
     # How far below the host and the stages' event loops the compute threads run (engine/runtime/priority.py).

@@ -93,6 +93,7 @@ async def pipeline(request: web.Request) -> web.Response:
         "kv_blocks_total": stats.kv_blocks_total,
         "stage_busy": stats.stage_busy,
         "intervals": engine.timeline.recent(since, MAX_INTERVALS),  # dataclasses: msgspec writes their fields
+        "kernels": engine.stage_kernels,
     }
     return web.Response(body=msgspec.json.encode(view), content_type="application/json")
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from ppserve.transport.messages import StageKernels
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -232,6 +234,7 @@ class PipelineView(msgspec.Struct):
     kv_blocks_total: int
     stage_busy: list[float]  # per stage: share of the last 10 s spent computing
     intervals: list[PipelineInterval]  # those that ended after `since`, oldest first (the newest 2000)
+    kernels: list[StageKernels]  # per stage: the CPU kernels it runs (engine/model/kernel_choice.py)
 
 
 class WsToken(msgspec.Struct, tag="token"):

@@ -106,6 +106,28 @@ def gguf_linear(outputs: dict[str, torch.Tensor]) -> None:
                 assert (err <= 0).all(), f"{type_name}, {dtype}, {rows} rows: over the bound by {float(err.max())}"
 
 
+def float_gemm(outputs: dict[str, torch.Tensor]) -> None:
+    """ppserve's float32 and bfloat16 GEMMs (engine/model/linear.py), where this build has them (any
+    with AVX2 or AVX-512; the scalar one leaves linears to oneDNN and torch): test_fast_paths's
+    bounds at 1, 7, 32 and 300 rows, the gate/up linear with its SiLU, and rows that do not depend
+    on their batch."""
+    import test_fast_paths as t
+
+    cpu = torch.device("cpu")
+    built = [dtype for dtype in DTYPES if cpu_kernels.float_gemm_available(cpu, dtype)]
+    if cpu_kernels.isa() == "avx2":
+        assert built == list(DTYPES), f"the avx2 build has no ppserve GEMM for {set(DTYPES) - set(built)}"
+    tests = {
+        torch.float32: [t.test_float_gemm_within_float32_bound, t.test_gate_up_with_silu_equals_gemm_then_silu_mul]
+    }
+    tests[torch.bfloat16] = [t.test_bfloat16_gemm_within_bound]
+    for dtype in built:
+        for test in tests[dtype]:
+            for case in _cases(test):
+                test(**case)
+        t.test_float_gemm_row_does_not_depend_on_batch(dtype)
+
+
 def gguf_linear_batch_invariance(outputs: dict[str, torch.Tensor]) -> None:
     """A row's GGUF linear output does not depend on its batch (gguf_gemm.cpp promises it, so that
     a request's tokens do not depend on how the pipeline batched it): gguf_linear's first rows at
@@ -126,6 +148,7 @@ OWN: dict[str, Callable[[dict[str, torch.Tensor]], None]] = {
     "rms_norm": rms_norm,
     "gguf_linear": gguf_linear,
     "gguf_linear_batch_invariance": gguf_linear_batch_invariance,
+    "float_gemm": float_gemm,
 }
 CHECKS = [*REUSED, *OWN]
 

@@ -19,6 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from live_server import LiveServer
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.kernel_choice import ROWS
+from ppserve.engine.model.linear import KERNELS
 from ppserve.engine.runtime.timeline import Interval, Timeline
 from ppserve.server import native_api
 from ppserve.server.app import STATE, ServerOptions, ServerState
@@ -99,6 +101,10 @@ def test_pipeline_view(live_server: LiveServer) -> None:
         assert ends == sorted(ends)
     decodes = [i for i in view.intervals if i.kind == "decode"]
     assert len(decodes) >= 2 * (GREEDY["max_tokens"] - 1) and all(i.tokens == 1 for i in decodes[-22:])
+    # Each stage's CPU kernels: the tiny llama's float32 linears, each shape's kernel per timed row count.
+    assert len(view.kernels) == 2 and all(k.rows == list(ROWS) for k in view.kernels)
+    for k in view.kernels:
+        assert k.linears and all(len(ks) == len(ROWS) and set(ks) <= set(KERNELS) for ks in k.linears.values())
 
     # `since`: only what ended after it (nothing ran meanwhile, so exactly the later part).
     since = view.intervals[len(view.intervals) // 2].end

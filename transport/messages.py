@@ -154,6 +154,15 @@ class StepResult(Msg, frozen=True):
     prompt_logprobs: list[PromptLogprobs] = []
 
 
+class StageKernels(msgspec.Struct, frozen=True):
+    """The CPU kernels a stage runs: what its StageReady says, and /debug/pipeline shows."""
+
+    isa: str = ""  # the kernel library's build ("native", "avx2", "scalar"; "" without one)
+    # Each float linear shape's kernel per row count of `rows` (engine/model/kernel_choice.py).
+    rows: list[int] = []
+    linears: dict[str, list[str]] = {}
+
+
 class StageReady(Msg, frozen=True):
     stage: int
     protocol: int
@@ -161,6 +170,7 @@ class StageReady(Msg, frozen=True):
     pid: int
     profile: list[tuple[int, int, float]] = []  # start-up prefill timings: (prefix, tokens, seconds)
     kv_address: str = ""  # decode side of disaggregation: where prefill stages send this stage KV
+    kernels: StageKernels = StageKernels()
 
 
 class StageFailed(Msg, frozen=True):

@@ -232,6 +232,13 @@ def _load(cache: str, variant: str) -> ctypes.CDLL | None:
     return dll
 
 
+def library_name() -> str:
+    """The loaded library's file name (it names its build: variant and a hash of source, compiler
+    and CPU flags), "" where there is none."""
+    dll = load()
+    return "" if dll is None else Path(dll._name).name
+
+
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in KERNEL_DTYPES and load() is not None
 

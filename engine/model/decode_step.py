@@ -26,6 +26,8 @@ import torch
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata
 from ppserve.engine.model.gguf_quant import GGUFLinear
+from ppserve.engine.model.kernel_choice import ROWS, bucket
+from ppserve.engine.model.linear import AnyLinear, Linear
 
 if TYPE_CHECKING:  # model.py builds a DecodeStep
     from ppserve.engine.model.kv_cache import StageKvCache
@@ -112,6 +114,11 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
+def _linears(layer: DecoderLayer) -> list[AnyLinear]:
+    """A layer's linears in decode_step.cpp's order (LinearFn's `which`)."""
+    return [layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down]
+
+
 class DecodeStep:
     """The layers of one stage, as the library's decode step runs them."""
 
@@ -132,10 +139,12 @@ class DecodeStep:
         self.keep = keep  # the norms' weights, alive as long as their pointers are
         self.where: tuple[tuple[bool, int], ...] | None = None  # the layers' caches as last set (_locate)
         # The linears the C++ side calls back for: (layer, which) -> forward, which as in LinearFn.
-        self.linears = [
-            [lin.forward for lin in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
-            for layer in layers
-        ]
+        self.linears = [[lin.forward for lin in _linears(layer)] for layer in layers]
+        # The row counts (kernel_choice.bucket) at which every linear runs its one-row kernel: a
+        # linear with a second kernel for more rows (engine/model/kernel_choice.py) runs it through
+        # the modules.
+        ours = [lin for layer in layers for lin in _linears(layer) if isinstance(lin, Linear)]
+        self.buckets = frozenset(i for i in range(len(ROWS)) if all(lin.kernels[i] == lin.kernel for lin in ours))
         first = structs[0]
         self.widths = {
             "normed": dims.hidden,
@@ -172,7 +181,7 @@ class DecodeStep:
                 return None
             if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):
                 return None  # the step takes one eps for every norm
-            gemms = [_gemm(linear) for linear in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
+            gemms = [_gemm(linear) for linear in _linears(layer)]
             keep += [n for n in norms if n is not None]
             pointers = [None if n is None else n.data_ptr() for n in norms]
             rope = int(attn.rope == "local")
@@ -183,10 +192,12 @@ class DecodeStep:
         dims = _Dims(norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale)
         return cls(layers, structs, dims, dtype, keep)
 
-    @staticmethod
-    def applies(md: AttentionMetadata, rows: int) -> bool:
-        """Whether a micro-batch of `rows` rows is decode tokens only, in row order (in each group)."""
+    def applies(self, md: AttentionMetadata, rows: int) -> bool:
+        """Whether a micro-batch of `rows` rows is decode tokens only, in row order (in each group),
+        of a row count whose linears are those the step was built with (their one-row kernels)."""
         groups = (md,) if md.window is None else (md, md.window)
+        if bucket(rows) not in self.buckets:
+            return False
         return all(not g.prefills and g.decode is not None and g.decode.rows == slice(0, rows) for g in groups)
 
     def _locate(self, where: tuple[tuple[bool, int], ...]) -> None:

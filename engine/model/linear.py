@@ -21,7 +21,8 @@ dropped, so the laid-out copy is the only one held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from torch import nn
 
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.gguf_quant import GGUFLinear, GGUFWeight, gguf_kernels_available, gguf_q8_0
+from ppserve.engine.model.kernel_choice import ROWS, SAMPLE_ROWS, KernelChooser, bucket
 from ppserve.engine.model.quantized import GGUF_KEPT, QuantLinear, QuantWeight, concat, from_gguf_blocks, quantize_int8
 
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
@@ -87,20 +89,14 @@ def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate.unflatten(0, (-1, 16)), up.unflatten(0, (-1, 16))], dim=1).flatten(0, 2)
 
 
-class Linear(nn.Module):
-    """y = x @ W.T + b for x: [rows, in_features] -> [rows, out_features]; with `silu` (an MLP's
-    gate and up projections, see `__init__`), SiLU(gate) * up: [rows, out_features // 2]."""
+class _Layout(nn.Module):
+    """A weight laid out for one kernel of KERNELS, and that kernel's call (see `Linear`)."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None, gated: bool = False
-    ) -> None:
-        """`kernel`: one of KERNELS (scripts/bench_quant.py times them); by default `default_kernel`.
-        `gated`: the weight is an MLP's [gate; up]. Where ppserve's GEMM runs it, the SiLU is done
-        on its output registers (`silu` is then True); elsewhere the caller applies it."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, gated: bool) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.kernel = kernel or default_kernel(weight.device, weight.dtype)
-        if self.kernel == "ppserve" and weight.dtype == torch.bfloat16 and self.in_features % 2:
+        self.out_features = weight.shape[0]
+        self.kernel = kernel
+        if self.kernel == "ppserve" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
             self.kernel = "onednn"  # the bfloat16 GEMM takes its inputs in pairs
         if self.kernel == "onednn" and not onednn_available(weight.device, weight.dtype):
             self.kernel = "torch"  # what this CPU lacks, torch's own matmul does
@@ -131,17 +127,60 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Linear(nn.Module):
+    """y = x @ W.T + b for x: [rows, in_features] -> [rows, out_features]; with `silu` (an MLP's
+    gate and up projections, see `__init__`), SiLU(gate) * up: [rows, out_features // 2]."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: str | Sequence[str] | None = None,
+        gated: bool = False,
+    ) -> None:
+        """`kernel`: one of KERNELS (scripts/bench_quant.py times them), or one per row count of
+        kernel_choice.ROWS (the chooser's, engine/model/kernel_choice.py: the weight is laid out for
+        each kernel named); by default `default_kernel`. `gated`: the weight is an MLP's [gate; up].
+        Where ppserve's GEMM runs it, the SiLU is done on its output registers (`silu` is then True,
+        and the other kernel's output goes through the SiLU kernel); elsewhere the caller applies it."""
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        if kernel is None or isinstance(kernel, str):
+            kernel = (kernel or default_kernel(weight.device, weight.dtype),) * len(ROWS)
+        assert len(kernel) == len(ROWS), kernel
+        made = {name: _Layout(weight, bias, name, gated) for name in dict.fromkeys(kernel)}
+        self.layouts = nn.ModuleDict(made)
+        self.by_bucket = [made[name] for name in kernel]  # each row count's layout (kernel_choice.bucket)
+        self.kernels = tuple(layout.kernel for layout in self.by_bucket)
+        self.kernel = self.kernels[0]  # a decode step's, at one row
+        self.gemm = self.by_bucket[0].gemm
+        self.silu = any(layout.silu for layout in made.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = self.by_bucket[bucket(x.shape[0]) if len(self.layouts) > 1 else 0]
+        y = layout(x)
+        return cpu_kernels.silu_mul(y) if self.silu and not layout.silu else y
+
+
 AnyLinear = Linear | QuantLinear | GGUFLinear  # what a fused projection of the forward pass is
 
 
 def fuse_linears(
-    linears: Sequence[nn.Linear], dtype: torch.dtype, device: torch.device, int8: bool = False, gated: bool = False
+    linears: Sequence[nn.Linear],
+    dtype: torch.dtype,
+    device: torch.device,
+    int8: bool = False,
+    gated: bool = False,
+    chooser: KernelChooser | None = None,
 ) -> AnyLinear:
     """One linear whose output is the given layers' outputs side by side (same input); `gated`: they
-    are an MLP's gate and up projections (see `Linear`).
+    are an MLP's gate and up projections (see `Linear`); `chooser`: a float linear's kernels are
+    its choice (engine/model/kernel_choice.py), else the default.
 
     A layer loaded as a quantized weight (its `quant` attribute, engine/model/weights.py) stays
-    quantized, and so does the group; `int8` quantizes float weights to int8 (--quantization int8)."""
+    quantized, and so does the group; `int8` quantizes float weights to int8 (--quantization int8):
+    as GGUF's Q8_0 blocks where the CPU lacks AVX-512 VNNI (the blocks' kernel has AVX2 code;
+    torch's int8 kernel computes in bfloat16, a scale per row)."""
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         bias = None
@@ -153,7 +192,8 @@ def fuse_linears(
             ]
         )
     quants: list[QuantWeight | GGUFWeight | None] = [getattr(lin, "quant", None) for lin in linears]
-    if any(isinstance(q, GGUFWeight) for q in quants):
+    blocks = int8 and gguf_kernels_available(device, dtype) and not cpu_kernels.quant_gemm_available(device, dtype)
+    if any(isinstance(q, GGUFWeight) for q in quants) or (blocks and linears[0].in_features % 32 == 0):
         ggufs = [
             q if isinstance(q, GGUFWeight) else gguf_q8_0(lin.weight.detach())
             for lin, q in zip(linears, quants, strict=True)
@@ -168,7 +208,45 @@ def fuse_linears(
         ]
         return QuantLinear(concat(ws), bias, dtype, device)
     weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-    return Linear(weight.contiguous(), bias, gated=gated)
+    weight = weight.contiguous()
+    return Linear(weight, bias, None if chooser is None else chosen_kernels(chooser, weight, bias, gated), gated)
+
+
+def candidates(device: torch.device, dtype: torch.dtype, in_features: int) -> list[str]:
+    """The kernels of KERNELS that run a float linear of this kind here, each as itself."""
+    names = ["torch"]
+    if onednn_available(device, dtype):
+        names.insert(0, "onednn")
+    if cpu_kernels.float_gemm_available(device, dtype) and (dtype != torch.bfloat16 or in_features % 2 == 0):
+        names.insert(0, "ppserve")
+    return names
+
+
+def chosen_kernels(
+    chooser: KernelChooser, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+) -> tuple[str, ...] | None:
+    """The chooser's kernel per row count for this weight, or None (the default) where one kernel
+    runs it. The kernels are timed on at most SAMPLE_ROWS of its output rows (gate's and up's
+    alike), with the bias and the SiLU as the linear has them."""
+    names = candidates(weight.device, weight.dtype, weight.shape[1])
+    if len(names) < 2:
+        return None
+    sample, sample_bias = weight[:SAMPLE_ROWS], None if bias is None else bias[:SAMPLE_ROWS]
+    if gated and weight.shape[0] > SAMPLE_ROWS:
+        half = SAMPLE_ROWS // 2
+        sample = torch.cat([t[:half] for t in weight.chunk(2)])
+        sample_bias = None if bias is None else torch.cat([t[:half] for t in bias.chunk(2)])
+    dtype = cpu_kernels.KERNEL_DTYPES[weight.dtype]
+    shape = (
+        f"{dtype} {sample.shape[0]}x{sample.shape[1]}{' gated' if gated else ''}{' bias' if bias is not None else ''}"
+    )
+
+    def run() -> dict[str, Callable[[int], object]]:
+        x = torch.randn(max(ROWS), weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        linears = {name: Linear(sample.contiguous(), sample_bias, name, gated) for name in names}
+        return {name: functools.partial(lambda lin, n: lin(x[:n]), lin) for name, lin in linears.items()}
+
+    return chooser.kernels(shape, names, run)
 
 
 def _runs_packed(weights: Sequence[GGUFWeight], dtype: torch.dtype, device: torch.device) -> bool:

@@ -22,6 +22,7 @@ from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from ppserve.engine.model.decode_step import DecodeStep
 from ppserve.engine.model.gguf_quant import GGUFEmbedding, GGUFWeight
+from ppserve.engine.model.kernel_choice import KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache
 from ppserve.engine.model.linear import AnyLinear, Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
@@ -143,9 +144,9 @@ class Attention(nn.Module):
         self.out: AnyLinear
         self.fast = False  # RoPE and the cache write by the CPU kernel; set by StageModel.fuse
 
-    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8)
-        self.out = fuse_linears([self.o_proj], dtype, device, int8)
+    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool, chooser: KernelChooser | None) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8, chooser=chooser)
+        self.out = fuse_linears([self.o_proj], dtype, device, int8, chooser=chooser)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(
@@ -187,10 +188,10 @@ class MLP(nn.Module):
         self.fast = False  # SiLU(gate) * up by the CPU kernel; set by StageModel.fuse
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GELU (tanh approximation), else SiLU
 
-    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool) -> None:
+    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool, chooser: KernelChooser | None) -> None:
         # `gated` lets the GEMM apply SiLU on its output: never for GELU.
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8, gated=not self.gelu)
-        self.down = fuse_linears([self.down_proj], dtype, device, int8)
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], dtype, device, int8, not self.gelu, chooser)
+        self.down = fuse_linears([self.down_proj], dtype, device, int8, chooser=chooser)
         del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,10 +299,13 @@ class StageModel(nn.Module):
         self.head: AnyLinear | None = None  # lm_head, set by fuse()
         self.decode_step: DecodeStep | None = None  # the layers in one call, for decode steps; set by fuse()
 
-    def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool = False) -> None:
+    def fuse(
+        self, dtype: torch.dtype, device: torch.device, int8: bool = False, chooser: KernelChooser | None = None
+    ) -> None:
         """After loading: fused, packed projections for the forward pass (see engine/model/linear.py);
         quantized ones where the checkpoint's weights are, or everywhere with `int8`
-        (engine/model/quantized.py)."""
+        (engine/model/quantized.py); float ones with the kernels `chooser` times, if given
+        (engine/model/kernel_choice.py)."""
         fast = cpu_kernels.available(device, dtype)
         embed = self.model.embed_tokens
         if embed is not None and isinstance(table := getattr(embed, "quant", None), GGUFWeight):
@@ -310,15 +314,15 @@ class StageModel(nn.Module):
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
             layers.append(layer)
-            layer.self_attn.fuse(dtype, device, int8)
-            layer.mlp.fuse(dtype, device, int8)
+            layer.self_attn.fuse(dtype, device, int8, chooser)
+            layer.mlp.fuse(dtype, device, int8, chooser)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
             layer.self_attn.fast = layer.mlp.fast = fast
             for norm in layer.modules():
                 if isinstance(norm, RMSNorm):
                     norm.use_kernel(fast)
         if self.lm_head is not None:
-            self.head = fuse_linears([self.lm_head], dtype, device, int8)
+            self.head = fuse_linears([self.lm_head], dtype, device, int8, chooser=chooser)
             self.lm_head = None
         if self.model.norm is not None:
             self.model.norm.use_kernel(fast)

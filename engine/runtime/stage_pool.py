@@ -46,6 +46,7 @@ from ppserve.transport.messages import (
     ResetDone,
     Shutdown,
     StageFailed,
+    StageKernels,
     StageReady,
     StepResult,
     encode,
@@ -112,6 +113,7 @@ class StagePool:
         self.last_seen: list[float] = [time.monotonic()] * config.pp_size
         self.profiles: list[list[tuple[int, int, float]]] = [[] for _ in range(config.pp_size)]
         self.kv_addresses: list[str] = [""] * config.pp_size  # decode side of disaggregation: KV receivers
+        self.kernels: list[StageKernels] = [StageKernels() for _ in range(config.pp_size)]  # as each last said
         self.on_kv_status: Callable[[KvStatus], None] | None = None  # disaggregation: the engine's
         self.epoch = 0  # resets sent so far
         # Long-lived tasks, by name (the engine supervises them).
@@ -283,6 +285,7 @@ class StagePool:
                     fresh.discard(msg.stage)
                     self.profiles[msg.stage] = msg.profile
                     self.kv_addresses[msg.stage] = msg.kv_address
+                    self.kernels[msg.stage] = msg.kernels
                 if isinstance(msg, ResetDone) and msg.epoch == self.epoch:
                     resetting.discard(msg.stage)
         finally:

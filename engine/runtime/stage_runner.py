@@ -9,19 +9,25 @@ each request's table between plans), and `execute` runs chunks that carry whole 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, padded_tables
+from ppserve.engine.model.cache_dir import cache_dir
+from ppserve.engine.model.kernel_choice import ROWS, KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache, windowed_layers
 from ppserve.engine.model.model import StageModel, rope_inv_freq
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.weights import load_stage_weights
 from ppserve.engine.runtime.block_tables import BlockTables
-from ppserve.transport.messages import SeqChunk, StepPlan
+from ppserve.transport.messages import SeqChunk, StageKernels, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class StageRunner:
@@ -38,8 +44,15 @@ class StageRunner:
             model = StageModel(mc, self.layers, self.first, self.last)
         load_stage_weights(model, config.model, config.torch_dtype, self.device, config.quantization)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
-        model.fuse(config.torch_dtype, self.device, int8=config.quantization == "int8")
+        chooser = None
+        if config.kernel_choice and self.device.type == "cpu":
+            chooser = KernelChooser.for_machine(Path(config.cache_dir or cache_dir()), cpu_kernels.library_name())
+        model.fuse(config.torch_dtype, self.device, config.quantization == "int8", chooser)
         self.model = model.eval()
+        linears = {} if chooser is None else {shape: list(ks) for shape, ks in chooser.chosen.items()}
+        self.kernels = StageKernels(cpu_kernels.isa() or "", list(ROWS), linears)  # StageReady says it
+        if chooser is not None and chooser.chosen:
+            log.info("stage %d: %s", stage, chooser.report())
         self.gather_buffers = GatherBuffers()
         self.tables = BlockTables()  # each request's KV blocks, kept between plans
         # A model with sliding-window layers: their blocks' tables (engine/model/kv_cache.py).

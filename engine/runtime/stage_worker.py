@@ -312,9 +312,9 @@ class StageWorker:
             where = (self.ctx, self.config, self.stage, self._kv_cache, self.compute_pool, self.inbox)
             self.kv = StageKv(*where, self.guard, self._node_addr, self._watch)
         kv_address = self.kv.address if self.kv is not None else ""
-        await self.inbox.send(
-            StageReady(self.stage, PROTOCOL_VERSION, self.config.num_kv_blocks, os.getpid(), profile, kv_address)
-        )
+        kernels = self.runner.kernels
+        ready = (self.config.num_kv_blocks, os.getpid(), profile, kv_address, kernels)
+        await self.inbox.send(StageReady(self.stage, PROTOCOL_VERSION, *ready))
 
     def _kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache  # type: ignore[union-attr]

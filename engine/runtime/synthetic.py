@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ppserve.engine.config import EngineConfig
-from ppserve.transport.messages import SeqChunk, StepPlan
+from ppserve.transport.messages import SeqChunk, StageKernels, StepPlan
 
 
 def synthetic_seconds(latency: tuple[float, float, float], chunks: Sequence[SeqChunk], share: float) -> float:
@@ -44,6 +44,7 @@ class SyntheticRunner:
         self.share = len(config.layer_ranges[stage]) / config.model_config.num_layers
         self.last = stage == config.pp_size - 1
         self.token = config.model_config.vocab_size - 1
+        self.kernels = StageKernels()  # it runs none
         self.tokens_computed = 0
 
     def execute_plan(
