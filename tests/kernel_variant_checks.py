@@ -117,10 +117,10 @@ def float_gemm(outputs: dict[str, torch.Tensor]) -> None:
     built = [dtype for dtype in DTYPES if cpu_kernels.float_gemm_available(cpu, dtype)]
     if cpu_kernels.isa() == "avx2":
         assert built == list(DTYPES), f"the avx2 build has no ppserve GEMM for {set(DTYPES) - set(built)}"
-    tests = {
-        torch.float32: [t.test_float_gemm_within_float32_bound, t.test_gate_up_with_silu_equals_gemm_then_silu_mul]
+    tests: dict[torch.dtype, list[Callable[..., None]]] = {
+        torch.float32: [t.test_float_gemm_within_float32_bound, t.test_gate_up_with_silu_equals_gemm_then_silu_mul],
+        torch.bfloat16: [t.test_bfloat16_gemm_within_bound],
     }
-    tests[torch.bfloat16] = [t.test_bfloat16_gemm_within_bound]
     for dtype in built:
         for test in tests[dtype]:
             for case in _cases(test):

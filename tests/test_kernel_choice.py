@@ -4,6 +4,7 @@ row count without changing a model's greedy output."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -19,6 +20,7 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels, kernel_choice
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser, bucket, choose, time_kernels
 from ppserve.engine.model.linear import KERNELS, Linear, candidates
+from ppserve.engine.model.model import DecoderLayer
 from ppserve.engine.offline import OfflineEngine
 
 CPU = torch.device("cpu")
@@ -26,7 +28,7 @@ CPU = torch.device("cpu")
 
 def _slowed(delays: Mapping[str, Callable[[int], float]]) -> dict[str, Callable[[int], object]]:
     """Candidates that do nothing but sleep: delays[name](rows) seconds a call."""
-    return {name: (lambda n, d=delay: time.sleep(d(n))) for name, delay in delays.items()}
+    return {name: functools.partial(lambda d, n: time.sleep(d(n)), delay) for name, delay in delays.items()}
 
 
 def test_each_row_count_takes_the_nearest_timed_one() -> None:
@@ -159,6 +161,8 @@ def test_switched_off_the_defaults_run(llama_dir: Path, monkeypatch: pytest.Monk
     pipe = OfflineEngine(EngineConfig.create(llama_dir, num_kv_blocks=64))
     runner = pipe.executor.runners[0]
     assert runner.kernels.linears == {}
-    qkv = runner.model.model.layers["0"].self_attn.qkv
+    layer = runner.model.model.layers["0"]
+    assert isinstance(layer, DecoderLayer)
+    qkv = layer.self_attn.qkv
     assert isinstance(qkv, Linear) and qkv.kernel in KERNELS and len(set(qkv.kernels)) == 1
     pipe.close()
