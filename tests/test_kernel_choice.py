@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -166,3 +167,30 @@ def test_switched_off_the_defaults_run(llama_dir: Path, monkeypatch: pytest.Monk
     qkv = layer.self_attn.qkv
     assert isinstance(qkv, Linear) and qkv.kernel in KERNELS and len(set(qkv.kernels)) == 1
     pipe.close()
+
+
+def test_amx_refused_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A CPU with AMX whose Linux refuses the tiles' state (arch_prctl): not used, one warning; one
+    that grants it: used; a CPU without AMX asks nothing."""
+    asked: list[int] = []
+
+    def refuse() -> int:
+        asked.append(1)
+        return 1  # EPERM
+
+    monkeypatch.setattr(cpu_kernels, "_request_tiles", refuse)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx512f amx_bf16 amx_tile amx_int8")
+    cpu_kernels.amx.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert not cpu_kernels.amx() and not cpu_kernels.amx()
+        assert asked == [1] and len(caplog.records) == 1 and "refused" in caplog.records[0].getMessage()
+        monkeypatch.setattr(cpu_kernels, "_request_tiles", lambda: 0)
+        cpu_kernels.amx.cache_clear()
+        assert cpu_kernels.amx()
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma")
+        monkeypatch.setattr(cpu_kernels, "_request_tiles", lambda: pytest.fail("asked"))
+        cpu_kernels.amx.cache_clear()
+        assert not cpu_kernels.amx()
+    finally:
+        cpu_kernels.amx.cache_clear()

@@ -50,7 +50,9 @@ class StageRunner:
         model.fuse(config.torch_dtype, self.device, config.quantization == "int8", chooser)
         self.model = model.eval()
         linears = {} if chooser is None else {shape: list(ks) for shape, ks in chooser.chosen.items()}
-        self.kernels = StageKernels(cpu_kernels.isa() or "", list(ROWS), linears)  # StageReady says it
+        self.kernels = StageKernels(
+            cpu_kernels.isa() or "", cpu_kernels.amx(), list(ROWS), linears
+        )  # StageReady says it
         if chooser is not None and chooser.chosen:
             log.info("stage %d: %s", stage, chooser.report())
         self.gather_buffers = GatherBuffers()
