@@ -20,6 +20,13 @@ from ppserve.server.demo import demo_model
 torch.set_num_threads(2)
 
 # One checkpoint per architecture, each exercising what is special about it.
+_QWEN3_MOE = (
+    ("num_experts", 8),
+    ("num_experts_per_tok", 2),
+    ("moe_intermediate_size", 48),
+    ("norm_topk_prob", True),
+    ("mlp_only_layers", [2]),
+)
 SPECS = {
     "llama": TinySpec(arch="llama", seed=1, rope_scaling="llama3", tie_word_embeddings=True),
     "mistral": TinySpec(arch="mistral", seed=2, sliding_window=24),  # prompts in tests exceed the window
@@ -35,6 +42,10 @@ SPECS = {
     "qwen3-bias-tied": TinySpec(arch="qwen3", seed=7, tie_word_embeddings=True, overrides=(("attention_bias", True),)),
     # head_dim 64: the prefill attention kernel's (engine/model/cpu_kernels.cpp), with a window.
     "mistral-hd64": TinySpec(arch="mistral", seed=8, head_dim=64, sliding_window=24),
+    # Mixtures of experts (engine/model/moe.py): 8 experts, top 2; Qwen3-MoE's renormalised, with
+    # one dense layer, and Mixtral's.
+    "qwen3-moe": TinySpec(arch="qwen3_moe", seed=9, head_dim=16, overrides=_QWEN3_MOE),
+    "mixtral": TinySpec(arch="mixtral", seed=10, overrides=(("num_local_experts", 8), ("num_experts_per_tok", 2))),
 }
 ARCHS = list(SPECS)
 

@@ -28,6 +28,7 @@ from ppserve.engine.model.attention import AttentionMetadata
 from ppserve.engine.model.gguf_quant import GGUFLinear
 from ppserve.engine.model.kernel_choice import ROWS, bucket
 from ppserve.engine.model.linear import AnyLinear, Linear
+from ppserve.engine.model.moe import MoE
 
 if TYPE_CHECKING:  # model.py builds a DecodeStep
     from ppserve.engine.model.kv_cache import StageKvCache
@@ -116,7 +117,9 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
 
 def _linears(layer: DecoderLayer) -> list[AnyLinear]:
     """A layer's linears in decode_step.cpp's order (LinearFn's `which`)."""
-    return [layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down]
+    mlp = layer.mlp
+    assert not isinstance(mlp, MoE)  # such a layer is the modules' (DecodeStep.build)
+    return [layer.self_attn.qkv, layer.self_attn.out, mlp.gate_up, mlp.down]
 
 
 class DecodeStep:
@@ -173,6 +176,8 @@ class DecodeStep:
         keep: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(mlp, MoE):
+                return None  # experts (engine/model/moe.py): their grouping is the modules'
             modules = layer.norms()
             if not (attn.fast and mlp.fast) or any(n is not None and not n.fast for n in modules):
                 return None  # (Gemma's norms run on the library in float32 only)

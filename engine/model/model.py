@@ -26,6 +26,7 @@ from ppserve.engine.model.kernel_choice import KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache
 from ppserve.engine.model.linear import AnyLinear, Linear, fuse_linears
 from ppserve.engine.model.model_config import ModelConfig, RopeConfig
+from ppserve.engine.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -178,11 +179,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: where it is not the config's (a mixture's experts)."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inner = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inner, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inner, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: AnyLinear  # set by fuse()
         self.down: AnyLinear
         self.fast = False  # SiLU(gate) * up by the CPU kernel; set by StageModel.fuse
@@ -211,7 +214,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, cfg.sliding_windows[layer_idx])
-        self.mlp = MLP(cfg)
+        moe = cfg.moe
+        if moe is not None and moe.sparse_layers[layer_idx]:  # experts (engine/model/moe.py)
+            self.mlp: MLP | MoE = MoE(cfg.hidden_size, moe, lambda: MLP(cfg, moe.intermediate_size))
+        else:
+            self.mlp = MLP(cfg)
         norm = GemmaRMSNorm if cfg.gemma_norms else RMSNorm
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -317,7 +324,9 @@ class StageModel(nn.Module):
             layer.self_attn.fuse(dtype, device, int8, chooser)
             layer.mlp.fuse(dtype, device, int8, chooser)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
-            layer.self_attn.fast = layer.mlp.fast = fast
+            for module in layer.modules():
+                if isinstance(module, (Attention, MLP)):
+                    module.fast = fast
             for norm in layer.modules():
                 if isinstance(norm, RMSNorm):
                     norm.use_kernel(fast)

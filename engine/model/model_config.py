@@ -20,12 +20,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 GEMMA3 = "Gemma3ForCausalLM"
+QWEN3_MOE, MIXTRAL = "Qwen3MoeForCausalLM", "MixtralForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Far above any published model; they keep a corrupt config from sizing anything absurd.
 MAX_SIZE = 1 << 24  # a vocabulary, hidden or head size, head count, context length
 MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 12  # a layer's (DeepSeek-V3 has 256)
 
 
 class ConfigError(ValueError):
@@ -40,6 +44,20 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts in place of some layers' MLP (engine/model/moe.py), as transformers'
+    Qwen3-MoE and Mixtral compute it."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's MLP
+    norm_topk_prob: bool  # the top k probabilities renormalised to sum to 1
+    # The weights of the experts' outputs in the hidden dtype (Qwen3-MoE), else in float32 (Mixtral).
+    weights_in_hidden_dtype: bool
+    sparse_layers: tuple[bool, ...]  # per layer: experts, or the dense MLP of `intermediate_size`
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,7 @@ class ModelConfig:
     # Gemma's layer: RMSNorm scales by (1 + w) in float32, attention and MLP outputs are normed too
     # (before the residual add), and the embedding is multiplied by sqrt(hidden_size).
     gemma_norms: bool = False
+    moe: MoeConfig | None = None  # Qwen3-MoE's and Mixtral's experts
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -113,7 +132,7 @@ class ModelConfig:
                 f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
             )
         # Qwen3's and Gemma 3's config classes default head_dim to 128 and 256, the others derive it.
-        derived = {"Qwen3ForCausalLM": 128, GEMMA3: 256}.get(arch, raw["hidden_size"] // num_heads)
+        derived = {"Qwen3ForCausalLM": 128, QWEN3_MOE: 128, GEMMA3: 256}.get(arch, raw["hidden_size"] // num_heads)
         head_dim = _positive_int(raw, "head_dim", derived)
         if head_dim < 1:
             raise ConfigError(f"config.json: hidden_size {raw['hidden_size']} is smaller than num_attention_heads")
@@ -121,8 +140,9 @@ class ModelConfig:
         num_layers = raw["num_hidden_layers"]
         bias = bool(raw.get("attention_bias", False))
         # Which projections carry a bias differs per family (as in transformers' modeling files).
-        qkv_bias = {"LlamaForCausalLM": bias, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}.get(arch, bias)
-        o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", GEMMA3) else False
+        no_bias = ("MistralForCausalLM", MIXTRAL)
+        qkv_bias = False if arch in no_bias else {"LlamaForCausalLM": bias, "Qwen2ForCausalLM": True}.get(arch, bias)
+        o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", QWEN3_MOE, GEMMA3) else False
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -139,7 +159,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3),
             sliding_windows=_parse_sliding_windows(raw, arch, num_layers),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_parse_eos(raw, generation or {}, raw["vocab_size"]),
@@ -148,6 +168,7 @@ class ModelConfig:
             query_pre_attn_scalar=_positive_float(raw, "query_pre_attn_scalar", 256.0) if gemma else None,
             rope_local=rope_local,
             gemma_norms=gemma,
+            moe=_parse_moe(raw, arch, num_layers),
         )
 
 
@@ -230,9 +251,38 @@ def _rope(params: dict[str, Any], theta: float, raw: dict[str, Any], head_dim: i
     return RopeConfig(theta=theta, rope_type=rope_type, factor=factor if rope_type == "linear" else 1.0)
 
 
+def _parse_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+    """The experts of Qwen3-MoE and Mixtral, with their config classes' defaults; None for the others."""
+    if arch not in (QWEN3_MOE, MIXTRAL):
+        return None
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's own name.
+    experts = _positive_int(raw, "num_local_experts" if "num_local_experts" in raw else "num_experts", 8)
+    if experts > MAX_EXPERTS:
+        raise ConfigError(f"config.json: {experts} experts a layer is more than ppserve takes ({MAX_EXPERTS})")
+    top_k = _positive_int(raw, "num_experts_per_tok", 2)
+    if top_k > experts:
+        raise ConfigError(f"config.json: num_experts_per_tok {top_k} is more than the {experts} experts")
+    if arch == MIXTRAL:  # every layer's MLP is experts, their weights renormalised, in float32
+        return MoeConfig(experts, top_k, raw["intermediate_size"], True, False, (True,) * num_layers)
+    step = _positive_int(raw, "decoder_sparse_step", 1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {_shown(dense)}")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"config.json: norm_topk_prob must be true or false, got {_shown(norm)}")
+    return MoeConfig(experts, top_k, _positive_int(raw, "moe_intermediate_size", 768), norm, True, sparse)
+
+
 def _parse_sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     if arch == "LlamaForCausalLM":
         return (None,) * num_layers
+    if arch in (QWEN3_MOE, MIXTRAL):  # one window for every layer, or none (their config classes' default)
+        window = raw.get("sliding_window") if arch == MIXTRAL or raw.get("use_sliding_window") else None
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+        return (window,) * num_layers
     # Defaults as in transformers' config classes (4096; Qwen uses it only on sliding layers).
     window = raw.get("sliding_window", 4096)
     if window is not None and (not isinstance(window, int) or window < 1):

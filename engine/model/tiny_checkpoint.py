@@ -18,6 +18,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_TEMPLATE = (

@@ -24,7 +24,7 @@ from ppserve.engine.model.gguf_checkpoint import (
 )
 from ppserve.engine.model.gguf_quant import BLOCKS, gguf_kernels_available
 from ppserve.engine.model.model import StageModel
-from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.model_config import MIXTRAL, ConfigError
 from ppserve.engine.model.quantized import GGUF_KEPT
 
 SINGLE_FILE = "model.safetensors"
@@ -85,8 +85,10 @@ def load_stage_weights(
     # source tensor name -> our parameter names that take it, as floats or kept quantized
     sources: dict[str, list[str]] = defaultdict(list)
     quantized: dict[str, list[str]] = defaultdict(list)
+    arch = stage.cfg.architecture
     for name in wanted:
-        src = TIED_SOURCE if name == "lm_head.weight" and tied and name not in available else name
+        src = name if gguf else checkpoint_name(name, arch)  # a prepared GGUF's table has our names
+        src = TIED_SOURCE if name == "lm_head.weight" and tied and src not in available else src
         (quantized if src in kept and takes_quant.search(name) else sources)[src].append(name)
     missing = sorted(src for src in {*sources, *quantized} if src not in available)
     if missing:
@@ -106,6 +108,18 @@ def load_stage_weights(
         for name in names:
             module_name, _, attr = name.rpartition(".")
             setattr(stage.get_submodule(module_name), attr, loaded)
+
+
+def checkpoint_name(name: str, arch: str) -> str:
+    """The checkpoint's name of our parameter `name`: the same, but for Mixtral's experts (our
+    `mlp.experts.E.gate_proj`, `up_proj`, `down_proj` and `mlp.gate` are its `block_sparse_moe.experts.E.w1`,
+    `w3`, `w2` and `block_sparse_moe.gate`)."""
+    if arch != MIXTRAL or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return name
 
 
 def _check_shape(src: str, shape: Sequence[int], name: str, wanted: dict[str, torch.nn.Parameter]) -> None:
