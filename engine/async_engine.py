@@ -351,6 +351,7 @@ class AsyncEngine:
             prefix_cache_evictions=s.allocator.num_evictions,
             stage_tokens=tuple(self.timeline.stage_tokens),
             stage_nodes=self.stage_nodes,
+            moe=self._pool.expert_load.layers() if self._pool is not None else (),
         )
 
     # ---- results --------------------------------------------------------------------------

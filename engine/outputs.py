@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ppserve.engine.runtime.expert_load import LayerLoad
 from ppserve.scheduler.request import TokenScore
 
 
@@ -63,3 +64,4 @@ class EngineStats:
     prefix_cache_evictions: int  # cached blocks given to new contents (since start)
     stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
     stage_nodes: tuple[tuple[str, str], ...] = ()  # under Ray, per stage: its node's Ray id and address
+    moe: tuple[LayerLoad, ...] = ()  # a mixture of experts' load per MoE layer (engine/runtime/expert_load.py)

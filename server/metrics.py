@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ppserve.engine.outputs import EngineStats, RequestOutput
+from ppserve.engine.runtime.expert_load import WINDOW_S
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -168,6 +169,24 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
         "Fraction of the last 10 s each stage spent computing",
         s.stage_busy,
     )
+    if s.moe:  # a mixture of experts: per MoE layer, never per expert (engine/runtime/expert_load.py)
+        window = f"the last {WINDOW_S:.0f} s"
+        routed = CounterMetricFamily(
+            "ppserve_moe_routed_tokens", "Tokens routed to each MoE layer's experts", labels=["layer"]
+        )
+        imbalance = GaugeMetricFamily(
+            "ppserve_moe_expert_imbalance",
+            f"Each MoE layer's busiest expert's tokens over its experts' mean, in {window} (1: even)",
+            labels=["layer"],
+        )
+        idle = GaugeMetricFamily(
+            "ppserve_moe_idle_experts", f"Each MoE layer's experts that got no token in {window}", labels=["layer"]
+        )
+        for load in s.moe:
+            routed.add_metric([str(load.layer)], load.routed)
+            imbalance.add_metric([str(load.layer)], load.imbalance)
+            idle.add_metric([str(load.layer)], load.idle)
+        yield from (routed, imbalance, idle)
     counts = [0] * (len(_CHUNK_BUCKETS) + 1)
     for size, n in s.prefill_chunks.items():
         counts[bisect.bisect_left(_CHUNK_BUCKETS, size)] += n

@@ -184,6 +184,9 @@ class StageFailed(Msg, frozen=True):
 
 class Heartbeat(Msg, frozen=True):
     stage: int
+    # About once a second: per MoE layer of the stage, tokens per expert since its process started
+    # (engine/runtime/expert_load.py).
+    expert_tokens: dict[int, list[int]] = {}
 
 
 class Reset(Msg, frozen=True):

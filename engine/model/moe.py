@@ -33,9 +33,9 @@ class MoE(nn.Module):
         self.cfg = moe
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList([expert() for _ in range(moe.num_experts)])
-        # Per expert, the tokens routed to it since the counts were last taken (`take_load`); on the
-        # CPU whatever the model's device (and not on the meta device the model is built on).
-        self.load = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
+        # Per expert, the tokens routed to it since the start (the stage reports them, /metrics shows
+        # the imbalance): on the CPU whatever the model's device, not on the meta device it is built on.
+        self.tokens = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool, chooser: KernelChooser | None) -> None:
         for expert in self.experts:
@@ -57,7 +57,7 @@ class MoE(nn.Module):
         choices = experts.flatten()  # token t's j-th choice at t * k + j
         order = torch.argsort(choices, stable=True)  # the choices grouped by expert, experts ascending
         counts = torch.bincount(choices, minlength=self.cfg.num_experts)
-        self.load += counts.cpu()
+        self.tokens += counts.cpu()
         out = torch.zeros_like(x)
         flat_weights = weights.flatten()
         start = 0
@@ -70,8 +70,3 @@ class MoE(nn.Module):
             y = self.experts[e](x[tokens]) * flat_weights[picks, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
-
-    def take_load(self) -> torch.Tensor:
-        """Tokens routed to each expert since the last call ([num_experts] int64), and start anew."""
-        load, self.load = self.load, torch.zeros_like(self.load)
-        return load

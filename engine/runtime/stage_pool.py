@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from ppserve.engine.cluster.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.runtime.expert_load import ExpertLoad
 from ppserve.engine.runtime.stage_process import channel_specs, spawn
 from ppserve.engine.runtime.stage_worker import StageLaunch, stage_main
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
@@ -37,6 +38,7 @@ from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
     PROTOCOL_VERSION,
+    Heartbeat,
     KvStatus,
     Layout,
     Msg,
@@ -114,6 +116,9 @@ class StagePool:
         self.profiles: list[list[tuple[int, int, float]]] = [[] for _ in range(config.pp_size)]
         self.kv_addresses: list[str] = [""] * config.pp_size  # decode side of disaggregation: KV receivers
         self.kernels: list[StageKernels] = [StageKernels() for _ in range(config.pp_size)]  # as each last said
+        moe = config.model_config.moe
+        experts = {} if moe is None else {i: moe.num_experts for i, sparse in enumerate(moe.sparse_layers) if sparse}
+        self.expert_load = ExpertLoad(experts, config.layer_ranges)  # from the heartbeats
         self.on_kv_status: Callable[[KvStatus], None] | None = None  # disaggregation: the engine's
         self.epoch = 0  # resets sent so far
         # Long-lived tasks, by name (the engine supervises them).
@@ -354,6 +359,8 @@ class StagePool:
             stage = getattr(msg, "stage", None)
             if stage is not None:
                 self.last_seen[stage] = time.monotonic()
+            if isinstance(msg, Heartbeat) and msg.expert_tokens:
+                self.expert_load.report(msg.stage, time.monotonic(), msg.expert_tokens)
             if isinstance(msg, (StageReady, ResetDone)) or (isinstance(msg, StageFailed) and self._handshaking):
                 self._handshakes.put_nowait(msg)
             elif isinstance(msg, StageFailed) and self._owns(msg.stage, msg.pid):

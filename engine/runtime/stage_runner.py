@@ -23,6 +23,7 @@ from ppserve.engine.model.kernel_choice import ROWS, KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache, windowed_layers
 from ppserve.engine.model.model import StageModel, rope_inv_freq
 from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.moe import MoE
 from ppserve.engine.model.weights import load_stage_weights
 from ppserve.engine.runtime.block_tables import BlockTables
 from ppserve.transport.messages import SeqChunk, StageKernels, StepPlan
@@ -75,6 +76,11 @@ class StageRunner:
                 f"{config.device}: {e}; lower --kv-cache-gb"
             ) from None
         self.kv_cache = self.kv.full  # the full-attention layers' (every layer's, in a model without windows)
+
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """Per MoE layer of this stage, tokens routed to each expert since the start (the heartbeat's)."""
+        layers = self.model.model.layers.items()
+        return {int(i): layer.mlp.tokens.tolist() for i, layer in layers if isinstance(layer.mlp, MoE)}
 
     def execute_plan(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()

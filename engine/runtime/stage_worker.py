@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ppserve.stage")
 HEARTBEAT_S = 0.2
+EXPERT_REPORT_BEATS = 5  # a MoE model's expert loads go with every fifth heartbeat (once a second)
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
 Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
 Computed = tuple["torch.Tensor | Results", "Span"]  # a plan's output, and when it computed
@@ -181,6 +183,8 @@ class StageWorker:
         # Activations of micro-batches below this id are leftovers of plans voided by a reset:
         # skipped. Any other mismatch between a plan and its activations is an error.
         self.first_mb = launch.first_mb
+        # The loaded runner's MoE load counts (its `expert_tokens`), for the heartbeat; none while it loads.
+        self._expert_tokens: Callable[[], dict[int, list[int]]] = dict
         self._node_addr = launch.node_addr or (self.config.cluster.node_addr if self.config.cluster else "")
 
     async def run(self) -> int:
@@ -293,6 +297,7 @@ class StageWorker:
         # Load the slice in the compute thread so heartbeats flow during long loads.
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.compute_pool, _make_runner, self.config, self.stage)
+        self._expert_tokens = self.runner.expert_tokens
         if self.gpu is not None and self.config.synthetic_latency is None:
             self._gpu_clock = await loop.run_in_executor(self.compute_pool, GpuClock)
         profile: list[tuple[int, int, float]] = []
@@ -418,13 +423,16 @@ class StageWorker:
                 await self.inbox.send(StepResult(plan.mb_id, samples, timings, prompt_logprobs))
 
     async def _heartbeat(self) -> None:
+        beats = 0
         while True:
             if self.launch.parent_pid and os.getppid() != self.launch.parent_pid:
                 # The host was killed and could not clean up: remove its socket files, then go.
                 print(f"ppserve-stage-{self.stage}: host process is gone, exiting", file=sys.stderr)
                 self.launch.addresses.cleanup()
                 os._exit(1)
-            await self.inbox.send(Heartbeat(self.stage))
+            beats += 1
+            tokens = self._expert_tokens() if beats % EXPERT_REPORT_BEATS == 0 else {}
+            await self.inbox.send(Heartbeat(self.stage, tokens))
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _fail(self, error: str) -> None:

@@ -47,6 +47,9 @@ class SyntheticRunner:
         self.kernels = StageKernels()  # it runs none
         self.tokens_computed = 0
 
+    def expert_tokens(self) -> dict[int, list[int]]:
+        return {}  # no experts
+
     def execute_plan(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()
     ) -> torch.Tensor:
