@@ -11,6 +11,7 @@ import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def _layer(checkpoint: Path, index: int = 0) -> DecoderLayer:
     return layer
 
 
-def _blocks(checkpoint: Path) -> tuple[torch.nn.Module, MoE]:
+def _blocks(checkpoint: Path) -> tuple[Any, MoE]:
     """Layer 0's mixture: transformers' and ours, loaded from the same checkpoint."""
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ours = _layer(checkpoint).mlp
@@ -46,7 +47,7 @@ def _blocks(checkpoint: Path) -> tuple[torch.nn.Module, MoE]:
     return hf.model.layers[0].mlp, ours
 
 
-def _check(hf: torch.nn.Module, ours: MoE, x: torch.Tensor, what: str) -> torch.Tensor:
+def _check(hf: Any, ours: MoE, x: torch.Tensor, what: str) -> torch.Tensor:
     """Our layer routes `x` to transformers' experts and sums their outputs to within float32's
     rounding of transformers' (the experts' GEMMs are ours); returns the experts chosen."""
     experts, _ = ours.route(x)
@@ -111,13 +112,14 @@ def test_sparse_layers_follow_the_config(checkpoints: dict[str, Path], tmp_path:
     assert stepped is not None and stepped.sparse_layers == (False, True, False, False)
     mixtral = ModelConfig.from_dict(json.loads((checkpoints["mixtral"] / "config.json").read_text())).moe
     assert mixtral is not None and mixtral.sparse_layers == (True,) * 4 and not mixtral.weights_in_hidden_dtype
-    for bad, message in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"mlp_only_layers": [9]}, "mlp_only_layers"),
         ({"mlp_only_layers": "2"}, "mlp_only_layers"),
         ({"num_experts_per_tok": 9}, "more than the 8 experts"),
         ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
         ({"num_local_experts": 1 << 20}, "experts a layer"),
-    ]:
+    ]
+    for bad, message in cases:
         with pytest.raises(ConfigError, match=message):
             ModelConfig.from_dict({**raw, **bad})
 
