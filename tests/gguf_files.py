@@ -5,6 +5,7 @@ with its matrices in a chosen GGML type."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ from safetensors.numpy import load_file
 from ppserve.engine.model.gguf_quant import BLOCKS, random_blocks
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHS |= {"Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}  # Mixtral: llama with experts
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 _GLOBAL["lm_head.weight"] = "output.weight"
 _LAYER = {
@@ -29,7 +31,13 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture's router
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's
 }
+# An expert's projection (Qwen3-MoE's name, Mixtral's) -> the 3-D tensor of all a layer's experts.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps"}
+_EXPERTS |= {"down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -94,15 +102,35 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if tokenizer:
         _add_tokenizer(writer, model_dir)
-    for name, values in sorted(load_file(str(model_dir / "model.safetensors")).items()):
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    stacks: dict[str, dict[int, np.ndarray]] = {}  # each layer's experts' projections, as llama.cpp stacks them
+    for name in list(tensors):
+        if m := _EXPERT.fullmatch(name):
+            stacks.setdefault(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", {})[int(m[2])] = tensors.pop(name)
+    for name, parts in stacks.items():
+        values = np.stack([parts[e] for e in range(experts)]).astype(np.float32)
+        kind = next((t for key, t in (mix or {}).items() if key in name), qtype)
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            raw = quantized(values.reshape(-1, values.shape[-1]), kind, seed=len(name))
+            writer.add_tensor(name, raw, raw_shape=(experts, values.shape[1], raw.shape[-1]), raw_dtype=kind)
+    for name, values in sorted(tensors.items()):
         values = values.astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
             values = llama_permute(values, heads)
         elif arch == "llama" and ".k_proj." in name:
             values = llama_permute(values, kv_heads)
-        kind = qtype if values.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32
+        # norms, biases and routers stay F32
+        kind = qtype if values.ndim == 2 and "ffn_gate_inp" not in gguf_name(name) else GGMLQuantizationType.F32
         kind = next((t for key, t in (mix or {}).items() if key in gguf_name(name) and values.ndim == 2), kind)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F64):
             writer.add_tensor(

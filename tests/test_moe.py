@@ -15,16 +15,23 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import GREEDY_TOKENS, hf_greedy, pipeline, random_prompt
+from conftest import _QWEN3_MOE
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
+from helpers import GREEDY_TOKENS, hf_greedy, pipeline, prompt_logits, random_prompt
 from test_disagg import collect as pd_collect
 from test_disagg import engine as pd_engine
 from test_pipeline import collect, engine_config, wait_until
 from transformers import AutoModelForCausalLM
 
 from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.model.gguf_quant import GGUFLinear
 from ppserve.engine.model.model import MLP, DecoderLayer
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.moe import MoE
+from ppserve.engine.model.quantized import QuantLinear
+from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from ppserve.engine.offline import OfflineEngine
 from ppserve.engine.runtime.expert_load import WINDOW_S, ExpertLoad
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.metrics import _engine_families
@@ -34,7 +41,13 @@ GREEDY = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=Tr
 
 
 def _layer(checkpoint: Path, index: int = 0) -> DecoderLayer:
-    layer = pipeline(checkpoint).executor.runners[0].model.model.layers[str(index)]
+    return _layer_of(pipeline(checkpoint), index)
+
+
+def _layer_of(pipe: OfflineEngine, index: int) -> DecoderLayer:
+    """Layer `index` of the pipeline's stage that has it."""
+    runner = next(r for r in pipe.executor.runners if index in r.layers)
+    layer = runner.model.model.layers[str(index)]
     assert isinstance(layer, DecoderLayer)
     return layer
 
@@ -138,6 +151,65 @@ def test_prefix_cache_and_chunks_equal_transformers(checkpoints: dict[str, Path]
         assert [g.token_ids for g in pipe.generate(prompts, GREEDY)] == expected
     assert pipe.scheduler.prefix_hits >= 2 * 16  # the second round found the shared blocks
     pipe.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_sources(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints llama.cpp's formats can hold: Mixtral, and a Qwen3-MoE with experts in every layer
+    (llama.cpp's qwen3moe has no dense layers, and renormalises the top k) whose widths are whole
+    blocks of 32."""
+    moe = (*_QWEN3_MOE[:2], ("moe_intermediate_size", 64), ("norm_topk_prob", True))
+    spec = TinySpec(arch="qwen3_moe", seed=12, head_dim=16, overrides=moe)
+    return {"mixtral": checkpoints["mixtral"], "qwen3-moe": make_tiny_checkpoint(tmp_path_factory.mktemp("q3m"), spec)}
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_gguf_equals_the_checkpoint(gguf_sources: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    """The checkpoint written as a GGUF the way llama.cpp writes it (each projection of all of a
+    layer's experts in one 3-D tensor, the router F32): in F32 the same logits and tokens as the
+    safetensors checkpoint, at PP 1 and 2."""
+    source = gguf_sources[arch]
+    path = write_gguf(source, tmp_path / "m.gguf")
+    prompt = random_prompt(random.Random(5), 30)
+    reference = pipeline(source)
+    want, tokens = prompt_logits(reference, prompt), reference.generate([prompt], GREEDY)[0].token_ids
+    reference.close()
+    for pp in (1, 2):
+        pipe = pipeline(path, pp_size=pp)
+        assert pipe.config.model_config.architecture == reference.config.model_config.architecture
+        assert torch.allclose(prompt_logits(pipe, prompt), want, rtol=1e-5, atol=1e-5)
+        assert pipe.generate([prompt], GREEDY)[0].token_ids == tokens
+        pipe.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", MOE)
+def test_gguf_experts_kept_quantized(gguf_sources: dict[str, Path], tmp_path: Path, arch: str, qtype: Q) -> None:
+    """Experts in Q8_0 or Q4_0 stay so (each expert's rows of the 3-D tensor, a view of the mapped
+    file), the router a float linear. Each MoE layer routes an input as the dequantized model's does
+    (its router is the same floats) and its output is that layer's within the rounding of int8
+    activations; the model's tokens are the same at PP 1 and 2. (The whole model's logits are not
+    compared with the dequantized model's: a token whose two experts score within that rounding of
+    each other may go to the other one, and the positions after it see that.)"""
+    path = write_gguf(gguf_sources[arch], tmp_path / "m.gguf", qtype)
+    floats = pipeline(path, quantization="none")
+    x = torch.randn(40, floats.config.model_config.hidden_size, generator=torch.Generator().manual_seed(7))
+    prompt = random_prompt(random.Random(6), 30)
+    tokens = []
+    for pp in (1, 2):
+        pipe = pipeline(path, pp_size=pp, quantization="auto")
+        for index in pipe.executor.runners[0].layers:
+            moe, reference = (_layer_of(p, index).mlp for p in (pipe, floats))
+            assert isinstance(moe, MoE) and isinstance(reference, MoE) and moe.gate.weight.dtype == torch.float32
+            assert all(isinstance(e.gate_up, (GGUFLinear, QuantLinear)) for e in moe.experts)
+            with torch.no_grad():
+                assert torch.equal(moe.route(x)[0], reference.route(x)[0])
+                got, want = moe(x), reference(x)
+            assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item(), index
+        tokens.append(pipe.generate([prompt], GREEDY)[0].token_ids)
+        pipe.close()
+    floats.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_expert_load_windows_and_replaced_stages() -> None:

@@ -28,14 +28,16 @@ from ppserve.engine.model.gguf_header import (
     GGUFHeader,
     GGUFValue,
 )
-from ppserve.engine.model.model_config import MAX_LAYERS, MAX_SIZE
+from ppserve.engine.model.model_config import MAX_EXPERTS, MAX_LAYERS, MAX_SIZE
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"  # llama.cpp's `llama` with experts
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -54,6 +56,13 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# A mixture of experts' layer (llama.cpp's qwen3moe, and llama with experts: Mixtral): the router,
+# and each projection of every expert in one 3-D tensor [experts, out, in], which the tensor table
+# cuts into one entry per expert (engine names `mlp.experts.E.gate_proj` and so on).
+MOE_LAYER_NAMES = {k: v for k, v in LAYER_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm"} | {
+    "ffn_gate_inp": "mlp.gate"
+}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma 3 norms attention's and the MLP's outputs too, and its `ffn_norm` is the one before the MLP
 # (gguf-py's tensor map for MODEL_ARCH.GEMMA3).
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
@@ -101,6 +110,25 @@ class GGUFModel:
     rope_local_base: float | None = None
     sliding_pattern: int | None = None
     query_pre_attn_scalar: int | None = None  # an integer in Gemma3TextConfig, which checks its types
+    # A mixture of experts: experts per layer, used per token, and each expert's MLP width (0: dense).
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def architecture(self) -> str:
+        """transformers' class of the model (llama with experts is Mixtral)."""
+        return MIXTRAL if self.arch == "llama" and self.experts else ARCHITECTURES[self.arch]
+
+    def moe_config(self) -> dict[str, Any]:
+        """config.json's fields of the experts, as transformers writes them; llama.cpp renormalises
+        the top k weights of both families (llama-model.cpp: build_moe_ffn's norm_w)."""
+        fields: dict[str, Any] = {"num_experts_per_tok": self.experts_used, "num_local_experts": self.experts}
+        if self.arch == "qwen3moe":
+            fields |= {"moe_intermediate_size": self.expert_ffn, "norm_topk_prob": True, "decoder_sparse_step": 1}
+        else:
+            fields |= {"intermediate_size": self.expert_ffn, "sliding_window": None}
+        return fields
 
     def gemma3_config(self) -> dict[str, Any]:
         """config.json's Gemma 3 fields, as transformers' Gemma3TextConfig writes them: RoPE per
@@ -123,25 +151,33 @@ class GGUFModel:
         }
 
     def required_tensors(self) -> list[str]:
-        qk_norm = self.arch in ("qwen3", "gemma3")
-        names = layer_names(self.arch)
+        qk_norm = self.arch in ("qwen3", "gemma3", "qwen3moe")
+        names = layer_names(self.arch, self.experts > 0)
         kinds = [k for k in names if qk_norm or k not in ("attn_q_norm", "attn_k_norm")]
+        kinds += list(EXPERT_NAMES) if self.experts else []
         layers = (f"blk.{i}.{k}.weight" for i in range(self.layers) for k in kinds)
         return ["token_embd.weight", "output_norm.weight", *layers]
 
 
-def layer_names(arch: str) -> dict[str, str]:
-    """A layer's GGUF tensor kinds -> the engine's module names, for the family `arch`."""
+def layer_names(arch: str, experts: bool = False) -> dict[str, str]:
+    """A layer's GGUF tensor kinds -> the engine's module names, for the family `arch` (`experts`:
+    with a mixture of experts in place of the MLP; their 3-D tensors are EXPERT_NAMES')."""
+    if experts:
+        return MOE_LAYER_NAMES
     return GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
 
 
-def engine_name(gguf_name: str, arch: str = "llama") -> str | None:
+def engine_name(gguf_name: str, arch: str = "llama", experts: bool = False) -> str | None:
+    """The engine's name of a tensor; for an expert tensor, the name of its experts with `*` for
+    the expert's index."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     m = LAYER_TENSOR.fullmatch(gguf_name)
-    names = layer_names(arch)
+    names = layer_names(arch, experts)
     if m and m[2] in names:
         return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
+    if m and experts and m[2] in EXPERT_NAMES and m[3] == "weight":
+        return f"model.layers.{m[1]}.mlp.experts.*.{EXPERT_NAMES[m[2]]}.weight"
     return None
 
 
@@ -204,9 +240,32 @@ def check_model(header: GGUFHeader) -> GGUFModel:
         )
         + _end_of_turn(fields, arch),
         **(_gemma3_fields(fields, layers, hidden, heads, head_dim) if arch == "gemma3" else {}),
+        **_moe_fields(fields, arch),
     )
     _check_tensors(fields, model)
     return model
+
+
+def _moe_fields(fields: _Fields, arch: str) -> dict[str, Any]:
+    """A mixture of experts' counts and width (qwen3moe has them always, llama where it is Mixtral);
+    what llama.cpp can compute on top of the plain softmax top-k (shared experts, another gating
+    function, a scale of the weights) is refused."""
+    experts = fields.integer(f"{arch}.expert_count", 0, low=0, high=MAX_EXPERTS)
+    if arch == "qwen3moe" and not experts:
+        fields.fail("qwen3moe.expert_count is missing or 0 (a mixture of experts has experts)")
+    if not experts:
+        return {}
+    if arch not in ("llama", "qwen3moe"):
+        fields.fail(f"{arch}.expert_count: experts are supported in llama (Mixtral) and qwen3moe models only")
+    for key, default in (("expert_shared_count", 0), ("expert_gating_func", 1)):
+        value = fields.integer(f"{arch}.{key}", default, low=0)
+        if value != default:
+            fields.fail(f"{arch}.{key} {value} is not supported (only {default}: softmax over experts, none shared)")
+    if fields.positive_float(f"{arch}.expert_weights_scale", 1.0) != 1.0:
+        fields.fail(f"{arch}.expert_weights_scale is not supported (only 1)")
+    used = fields.integer(f"{arch}.expert_used_count", high=experts)
+    width = f"{arch}.expert_feed_forward_length" if arch == "qwen3moe" else f"{arch}.feed_forward_length"
+    return {"experts": experts, "experts_used": used, "expert_ffn": fields.integer(width, high=MAX_DIM)}
 
 
 def _end_of_turn(fields: _Fields, arch: str) -> tuple[int, ...]:
@@ -364,7 +423,7 @@ def _check_tensors(fields: _Fields, model: GGUFModel) -> None:
     every tensor the model needs present."""
     header = fields.header
     for t in header.tensors:
-        if engine_name(t.name, model.arch) is None:
+        if engine_name(t.name, model.arch, model.experts > 0) is None:
             fields.fail(f"tensor {t.name!r} is not supported (unknown to the {model.arch} model)")
         m = LAYER_TENSOR.fullmatch(t.name)
         if m and int(m[1]) >= model.layers:
@@ -403,6 +462,10 @@ def _weight_shapes(m: GGUFModel) -> dict[str, tuple[int, ...]]:
         "ffn_gate": (m.ffn, m.hidden),
         "ffn_up": (m.ffn, m.hidden),
         "ffn_down": (m.hidden, m.ffn),
+        "ffn_gate_inp": (m.experts, m.hidden),
+        "ffn_gate_exps": (m.experts, m.expert_ffn, m.hidden),
+        "ffn_up_exps": (m.experts, m.expert_ffn, m.hidden),
+        "ffn_down_exps": (m.experts, m.hidden, m.expert_ffn),
     }
 
 

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from ppserve.engine.model.cache_dir import cache_dir
 from ppserve.engine.model.file_hash import file_fingerprint
-from ppserve.engine.model.gguf_check import ARCHITECTURES, KEPT_ARRAYS, GGUFModel, check_model, engine_name, norm_shift
+from ppserve.engine.model.gguf_check import KEPT_ARRAYS, GGUFModel, check_model, engine_name, norm_shift
 from ppserve.engine.model.gguf_header import GGUFHeader, read_header
 from ppserve.engine.model.gguf_quant import BLOCKS, GGUFWeight, from_blocks
 from ppserve.engine.model.model_config import ConfigError
@@ -51,6 +51,7 @@ _TOKENIZER_CLASSES = {
     "llama": "TokenizersBackend",
     "qwen2": "Qwen2Tokenizer",
     "qwen3": "Qwen2Tokenizer",
+    "qwen3moe": "Qwen2Tokenizer",
     "gemma3": "GemmaTokenizer",
 }
 _CHECKPOINT_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # the quantized types: bfloat16
@@ -205,8 +206,11 @@ def _write_prepared(path: Path, sha: str, out: Path) -> None:
 def _hf_config(model: GGUFModel, tensor_names: set[str]) -> dict[str, Any]:
     """config.json for the GGUF's model, as transformers would write it."""
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model.arch]],
-        "model_type": model.arch,  # transformers' name of the family (the same three names)
+        "architectures": [model.architecture],
+        # transformers' name of the family (llama.cpp's, but for its mixtures of experts)
+        "model_type": {"qwen3moe": "qwen3_moe", "llama": "mixtral" if model.experts else "llama"}.get(
+            model.arch, model.arch
+        ),
         "hidden_size": model.hidden,
         "intermediate_size": model.ffn,
         "num_hidden_layers": model.layers,
@@ -225,6 +229,8 @@ def _hf_config(model: GGUFModel, tensor_names: set[str]) -> dict[str, Any]:
         config.update(model.gemma3_config())
     elif model.rope_linear_factor is not None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": model.rope_linear_factor}
+    if model.experts:
+        config.update(model.moe_config())
     config["vocab_size"] = model.vocab  # the embedding's rows, which the check matched to the tokens
     return config
 
@@ -237,7 +243,7 @@ def _tensor_table(header: GGUFHeader, model: GGUFModel) -> dict[str, list[Any]]:
     checked: set[Any] = set()
     table: dict[str, list[Any]] = {}
     for t in header.tensors:
-        name = engine_name(t.name, model.arch)
+        name = engine_name(t.name, model.arch, model.experts > 0)
         assert name is not None  # check_model refused unknown tensors
         if t.type not in checked:  # one block of each type, to refuse what gguf-py cannot read
             nbytes = GGML_QUANT_SIZES[t.type][1]
@@ -253,6 +259,11 @@ def _tensor_table(header: GGUFHeader, model: GGUFModel) -> dict[str, list[Any]]:
             heads = model.heads
         elif model.arch == "llama" and ".attn_k." in t.name:
             heads = model.kv_heads
+        if "*" in name:  # [experts, out, in]: each expert's rows, whole blocks, one after the other
+            each = t.nbytes // model.experts
+            for e in range(model.experts):
+                table[name.replace("*", str(e))] = [t.type.name, t.shape[1:], t.offset + e * each, each, 0]
+            continue
         table[name] = [t.type.name, t.shape, t.offset, t.nbytes, heads]
     return table
 
