@@ -212,6 +212,29 @@ def test_gguf_experts_kept_quantized(gguf_sources: dict[str, Path], tmp_path: Pa
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("arch", MOE)
+def test_grouped_kernel_equals_the_loop(
+    gguf_sources: dict[str, Path], tmp_path: Path, arch: str, dtype: torch.dtype
+) -> None:
+    """GGUF experts run in one call of the library's grouped kernel (gguf_gemm.cpp's gguf_moe): bitwise
+    the loop over the experts' GEMMs, products and sums rounded alike, at 1 to 300 tokens."""
+    path = write_gguf(gguf_sources[arch], tmp_path / "m.gguf", Q.Q4_0, mix={"ffn_down": Q.Q8_0})
+    moe = _layer_of(pipeline(path, dtype=str(dtype).removeprefix("torch.")), 0).mlp
+    assert isinstance(moe, MoE)
+    if moe.grouped is None:
+        pytest.skip("no CPU kernel library here: the loop runs")
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for n in (1, 3, 40, 300):
+            x = torch.randn(n, moe.gate.in_features, generator=gen).to(dtype)
+            grouped = moe(x)
+            kernel, moe.grouped = moe.grouped, None
+            loop = moe(x)
+            moe.grouped = kernel
+            assert torch.equal(grouped, loop), n
+
+
 def test_expert_load_windows_and_replaced_stages() -> None:
     """Counts in the window, totals that go on across a replaced stage's restart from zero, and
     reports that do not fit the model (a layer of another stage, the wrong number of experts)

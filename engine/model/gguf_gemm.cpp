@@ -481,6 +481,50 @@ void gguf_rows(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, in
   }
 }
 
+// The MLP's SiLU(gate) * up kernel (cpu_kernels.cpp), by the dtype.
+inline void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t dim) {
+  silu_mul_f32(gate_up, out, rows, dim);
+}
+inline void silu_mul(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t dim) {
+  silu_mul_bf16(gate_up, out, rows, dim);
+}
+
+// o += round(y * weight), each product rounded to T before the sum (as torch's `y * w` then
+// `index_add_`): the products go through memory, so that no multiply-add fuses them into the sum.
+template <typename T>
+void add_weighted(const T* y, float weight, int64_t H, T* o) {
+  thread_local std::vector<T> products;
+  products.resize(H);
+  T* volatile p = products.data();  // read back as stored, not kept in registers
+  for (int64_t h = 0; h < H; ++h) store(p + h, to_float(y[h]) * weight);
+  for (int64_t h = 0; h < H; ++h) store(o + h, to_float(o[h]) + to_float(p[h]));
+}
+
+// A mixture of experts' layer (engine/model/moe.py, where its loop over the experts is the
+// reference): for each active expert (in the order given: ascending), the rows of its tokens
+// gathered, SiLU(gate) * up of them, down, and each result row times its weight added to its
+// token's row of `out` ([n, H], holding what the sums start from), with the roundings of the loop:
+// the product rounded to T, then the sum. experts[a]'s tokens and weights are
+// tokens[starts[a]:starts[a + 1]]; types and weights of expert e: [3 e .. 3 e + 2] (gate, up, down).
+template <typename T>
+void gguf_moe(const T* x, int64_t H, int64_t I, int64_t active, const int64_t* experts, const int64_t* starts,
+              const int64_t* tokens, const float* weights, const int64_t* types, const uint8_t* const* w, T* out) {
+  thread_local std::vector<T> xs, gate_up, act, y;
+  const int64_t gate_up_rows[2] = {I, I};
+  for (int64_t a = 0; a < active; ++a) {
+    const int64_t e = experts[a], m = starts[a + 1] - starts[a], *tok = tokens + starts[a];
+    xs.resize(m * H);
+    gate_up.resize(m * 2 * I);
+    act.resize(m * I);
+    y.resize(m * H);
+    for (int64_t r = 0; r < m; ++r) std::copy(x + tok[r] * H, x + (tok[r] + 1) * H, xs.data() + r * H);
+    gguf_linear<T>(xs.data(), m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr, gate_up.data());
+    silu_mul(gate_up.data(), act.data(), m, I);
+    gguf_linear<T>(act.data(), m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr, y.data());  // H rows
+    for (int64_t r = 0; r < m; ++r) add_weighted(y.data() + r * H, weights[starts[a] + r], H, out + tok[r] * H);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -492,6 +536,11 @@ extern "C" {
   }                                                                                                              \
   void gguf_rows_##suffix(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, T* out) {     \
     gguf_rows(type, w, K, ids, n, out);                                                                          \
+  }                                                                                                              \
+  void gguf_moe_##suffix(const T* x, int64_t H, int64_t I, int64_t active, const int64_t* experts,                \
+                         const int64_t* starts, const int64_t* tokens, const float* weights, const int64_t* types, \
+                         const uint8_t* const* w, T* out) {                                                       \
+    gguf_moe(x, H, I, active, experts, starts, tokens, weights, types, w, out);                                  \
   }
 
 PPSERVE_GGUF_KERNELS(f32, float)

@@ -99,7 +99,9 @@ def _kernels() -> dict[str, Any] | None:
         linear, rows = getattr(dll, f"gguf_linear_{suffix}"), getattr(dll, f"gguf_rows_{suffix}")
         linear.argtypes, linear.restype = [_PTR, _INT64, _INT64, _INT64] + [_PTR] * 5, None
         rows.argtypes, rows.restype = [_INT64, _PTR, _INT64, _PTR, _INT64, _PTR], None
-        fns[f"linear_{suffix}"], fns[f"rows_{suffix}"] = linear, rows
+        moe = getattr(dll, f"gguf_moe_{suffix}")
+        moe.argtypes, moe.restype = [_PTR, _INT64, _INT64, _INT64] + [_PTR] * 7, None
+        fns[f"linear_{suffix}"], fns[f"rows_{suffix}"], fns[f"moe_{suffix}"] = linear, rows, moe
     return fns
 
 
@@ -141,6 +143,56 @@ class GGUFLinear(nn.Module):
         parts = (len(self.parts), self.types, self.weight_ptrs, self.part_rows)
         self._fn(x.data_ptr(), x.shape[0], self.in_features, *parts, bias, y.data_ptr())
         return y
+
+
+class GGUFExperts:
+    """A mixture's experts whose projections are all GGUF tensors, run by the library's grouped
+    kernel (gguf_gemm.cpp's gguf_moe): one call a layer, the Python loop over the experts' GEMMs
+    (engine/model/moe.py's reference) in C++."""
+
+    def __init__(self, gate_ups: Sequence[GGUFLinear], downs: Sequence[GGUFLinear], dtype: torch.dtype) -> None:
+        self.keep = [*gate_ups, *downs]  # their tensors hold the pages the pointers point into
+        self.hidden, self.inner = gate_ups[0].in_features, downs[0].in_features
+        parts = [p for gu, down in zip(gate_ups, downs, strict=True) for p in (*gu.parts, *down.parts)]
+        self.types = (ctypes.c_int64 * len(parts))(*(_TYPE_IDS[p.type_name] for p in parts))
+        self.weights = (ctypes.c_void_p * len(parts))(*(p.raw.data_ptr() for p in parts))
+        self.dtype = dtype
+        self._fn = _kernel("moe", dtype)
+
+    @classmethod
+    def build(cls, gate_ups: Sequence[object], downs: Sequence[object], dtype: torch.dtype) -> GGUFExperts | None:
+        """Where every expert's gate/up is two GGUF tensors (gate, then up) and its down one, without
+        biases; else None (the loop runs)."""
+        g = [m for m in gate_ups if isinstance(m, GGUFLinear) and m.bias is None and len(m.parts) == 2]
+        d = [m for m in downs if isinstance(m, GGUFLinear) and m.bias is None and len(m.parts) == 1]
+        if len(g) != len(gate_ups) or len(d) != len(downs):
+            return None
+        hidden, inner = g[0].in_features, d[0].in_features  # the kernel's sizes, the same for every expert
+        shapes = {(p.shape[0], p.shape[1]) for m in g for p in m.parts} | {
+            (hidden, inner),
+            *(p.shape for m in d for p in m.parts),
+        }
+        return cls(g, d, dtype) if shapes == {(inner, hidden), (hidden, inner)} else None
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        starts: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Adds to out [n, hidden] each token's experts' outputs times their weights: experts (int64,
+        ascending) the active ones, expert a's tokens and weights (float32) at [starts[a], starts[a + 1])."""
+        assert x.dtype == out.dtype == self.dtype and weights.dtype == torch.float32
+        tensors = [t.contiguous() for t in (x, experts, starts, tokens, weights)]
+        assert out.is_contiguous()
+        x, experts, starts, tokens, weights = tensors
+        self._fn(
+            x.data_ptr(), self.hidden, self.inner, experts.shape[0], experts.data_ptr(), starts.data_ptr(),
+            tokens.data_ptr(), weights.data_ptr(), self.types, self.weights, out.data_ptr(),
+        )  # fmt: skip
 
 
 class GGUFEmbedding(nn.Module):

@@ -325,7 +325,7 @@ class StageModel(nn.Module):
             layer.mlp.fuse(dtype, device, int8, chooser)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
             for module in layer.modules():
-                if isinstance(module, (Attention, MLP)):
+                if isinstance(module, (Attention, MLP, MoE)):
                     module.fast = fast
             for norm in layer.modules():
                 if isinstance(norm, RMSNorm):

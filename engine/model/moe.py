@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppserve.engine.model.gguf_quant import GGUFExperts
 from ppserve.engine.model.kernel_choice import KernelChooser
 from ppserve.engine.model.model_config import MoeConfig
 
@@ -36,10 +37,23 @@ class MoE(nn.Module):
         # Per expert, the tokens routed to it since the start (the stage reports them, /metrics shows
         # the imbalance): on the CPU whatever the model's device, not on the meta device it is built on.
         self.tokens = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
+        self.grouped: GGUFExperts | None = None  # the experts in one call (see `fast`)
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool, chooser: KernelChooser | None) -> None:
         for expert in self.experts:
             expert.fuse(dtype, device, int8, chooser)  # type: ignore[operator]
+
+    @property
+    def fast(self) -> bool:
+        return self.grouped is not None
+
+    @fast.setter
+    def fast(self, fast: bool) -> None:
+        """With the CPU kernels (StageModel.fuse says): the experts in one call where they are all
+        GGUF tensors; else the loop over them."""
+        gate_ups, downs = [e.gate_up for e in self.experts], [e.down for e in self.experts]
+        dtype = self.gate.weight.dtype
+        self.grouped = GGUFExperts.build(gate_ups, downs, dtype) if fast else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [n, k] (int64) and their weights [n, k]: in x's dtype (Qwen3-MoE) or
@@ -60,6 +74,11 @@ class MoE(nn.Module):
         self.tokens += counts.cpu()
         out = torch.zeros_like(x)
         flat_weights = weights.flatten()
+        if self.grouped is not None:  # the loop below, in C++
+            active = counts.nonzero().flatten()
+            starts = F.pad(torch.cumsum(counts[active], 0), (1, 0))
+            self.grouped(x, active, starts, order // k, flat_weights[order].float(), out)
+            return out
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n == 0:
