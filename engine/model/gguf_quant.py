@@ -168,11 +168,9 @@ class GGUFExperts:
         if len(g) != len(gate_ups) or len(d) != len(downs):
             return None
         hidden, inner = g[0].in_features, d[0].in_features  # the kernel's sizes, the same for every expert
-        shapes = {(p.shape[0], p.shape[1]) for m in g for p in m.parts} | {
-            (hidden, inner),
-            *(p.shape for m in d for p in m.parts),
-        }
-        return cls(g, d, dtype) if shapes == {(inner, hidden), (hidden, inner)} else None
+        gate_up = {(p.shape[0], p.shape[1]) for m in g for p in m.parts}
+        down = {(p.shape[0], p.shape[1]) for m in d for p in m.parts}
+        return cls(g, d, dtype) if gate_up == {(inner, hidden)} and down == {(hidden, inner)} else None
 
     def __call__(
         self,
