@@ -17,6 +17,7 @@ from ppserve.engine.disagg.faults import DisaggFaults
 from ppserve.engine.environment import READERS
 from ppserve.engine.environment import read as read_environment
 from ppserve.engine.model.gguf_checkpoint import is_gguf_file, prepare_gguf
+from ppserve.engine.model.kernel_choice import MODES as KERNEL_CHOICES
 from ppserve.engine.model.kv_cache import kv_bytes_per_block, kv_pools, kv_window
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.partition import partition_layers
@@ -97,9 +98,10 @@ class EngineConfig:
     compute_nice: int = 10
     cpu_kernels: bool = True  # decode attention and fused norm, RoPE, SiLU (PPSERVE_CPU_KERNELS=0: torch ops)
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
-    # Float linears run the kernel timed fastest per row count (PPSERVE_KERNEL_CHOICE=0: the
-    # defaults; engine/model/kernel_choice.py).
-    kernel_choice: bool = True
+    # Which kernel a float linear runs (PPSERVE_KERNEL_CHOICE; engine/model/kernel_choice.py):
+    # "invariant" (rows independent of their batch, else the fastest), "fastest" (per row count,
+    # timed) or "off" (each dtype's default).
+    kernel_choice: str = "invariant"
     # Debug: stages report every event-loop callback that uses more CPU than this
     # (PPSERVE_DEBUG_LOOP_MS; engine/runtime/loop_watch.py).
     debug_loop_ms: float | None = None
@@ -141,6 +143,11 @@ class EngineConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
         s["dtype"] = _resolve_dtype(s.get("dtype") or "auto", model_config, device)
+        if s["kernel_choice"] not in KERNEL_CHOICES:
+            choices = ", ".join(KERNEL_CHOICES)
+            raise ConfigError(
+                f"kernel_choice (PPSERVE_KERNEL_CHOICE) must be one of {choices}; got {s['kernel_choice']!r}"
+            )
         if s["quantization"] not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {s['quantization']!r}")
         if block_size < 1:

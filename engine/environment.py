@@ -64,8 +64,8 @@ READERS: dict[str, Callable[[], Any]] = {
     "pin_stages": lambda: os.environ.get(PIN_STAGES_ENV, "0") == "1",
     # On unless switched off (then the forward pass runs torch ops only; engine/model/cpu_kernels.py).
     "cpu_kernels": lambda: os.environ.get(CPU_KERNELS_ENV, "1") != "0",
-    # On unless switched off (then each linear runs its dtype's default kernel; engine/model/kernel_choice.py).
-    "kernel_choice": lambda: os.environ.get(KERNEL_CHOICE_ENV, "1") != "0",
+    # invariant, fastest or off (engine/model/kernel_choice.py); checked by EngineConfig.create.
+    "kernel_choice": lambda: os.environ.get(KERNEL_CHOICE_ENV) or None,
     # On unless switched off (A/B: the host's turnaround between decode steps; scheduler/scheduler.py).
     "decode_ahead": lambda: os.environ.get(DECODE_AHEAD_ENV, "1") != "0",
     # How far below the host and the stages' event loops the compute threads run (engine/runtime/priority.py).

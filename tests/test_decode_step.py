@@ -132,7 +132,7 @@ def test_bfloat16_equals_layers(checkpoints: dict[str, Path], arch: str, quantiz
 def test_a_failed_callback_fails_the_step(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in a linear that the C++ side calls back for (oneDNN's) stops the step and is raised."""
     monkeypatch.setattr(linear, "default_kernel", lambda device, dtype: "onednn")
-    runners = _runners(llama_dir, dtype="bfloat16", kernel_choice=False)  # the default, not the timed
+    runners = _runners(llama_dir, dtype="bfloat16", kernel_choice="off")  # the default, not the chosen
     step = runners[0].model.decode_step
     assert step is not None
 

@@ -22,6 +22,7 @@ from ppserve.engine.model import cpu_kernels, kernel_choice
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser, bucket, choose, time_kernels
 from ppserve.engine.model.linear import KERNELS, Linear, candidates
 from ppserve.engine.model.model import DecoderLayer
+from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.offline import OfflineEngine
 
 CPU = torch.device("cpu")
@@ -126,12 +127,12 @@ def test_a_linear_runs_each_row_count_on_its_kernel(dtype: torch.dtype, gated: b
         assert torch.equal(linear(x), y), rows
 
 
-def test_greedy_output_unchanged_by_the_choice(
+def test_greedy_output_unchanged_by_the_fastest_choice(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 greedy tokens of the tiny llama at PP 1 and 2 are the same whatever the timings made
-    the table: ppserve's GEMM everywhere, torch's everywhere, or each at its row counts (the
-    decode step then runs only where every linear has its one-row kernel)."""
+    """The `fastest` mode: float32 greedy tokens of the tiny llama at PP 1 and 2 are the same
+    whatever the timings made the table: ppserve's GEMM everywhere, torch's everywhere, or each at
+    its row counts (the decode step then runs only where every linear has its one-row kernel)."""
     few, many = _two_kernels(torch.float32)
     prompts = [random_prompt(random.Random(i), 6 + 9 * i) for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -140,10 +141,13 @@ def test_greedy_output_unchanged_by_the_choice(
     for name, table in tables.items():
         for pp in (1, 2):
             # each run a table of its own: timings that always come out as `table`
-            monkeypatch.setattr(kernel_choice, "choose", lambda times, t=table: t)
+            monkeypatch.setattr(kernel_choice, "choose", lambda times, per_rows=True, t=table: t)
             path = tmp_path / f"{name}-{pp}.json"
-            monkeypatch.setattr(KernelChooser, "for_machine", classmethod(lambda cls, cache, lib, p=path: cls(p)))
-            pipe = OfflineEngine(EngineConfig.create(llama_dir, pp_size=pp, num_kv_blocks=256))
+            monkeypatch.setattr(
+                KernelChooser, "for_machine", classmethod(lambda cls, cache, lib, mode, p=path: cls(p, mode))
+            )
+            config = EngineConfig.create(llama_dir, pp_size=pp, num_kv_blocks=256, kernel_choice="fastest")
+            pipe = OfflineEngine(config)
             runner = pipe.executor.runners[0]
             assert runner.kernels.rows == list(ROWS)
             assert runner.kernels.linears and all(ks == list(table) for ks in runner.kernels.linears.values())
@@ -155,9 +159,25 @@ def test_greedy_output_unchanged_by_the_choice(
     assert len({str(r) for r in runs.values()}) == 1, runs
 
 
+def test_invariant_by_default_untimed_where_ppserve_runs(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default mode: where ppserve's GEMM is a candidate (its rows independent of their batch)
+    it runs every linear, at every row count, and nothing is timed; its one kernel per shape
+    elsewhere (test_a_second_kernel_only_where_it_saves_a_fifth's `per_rows`)."""
+    monkeypatch.setattr(kernel_choice, "time_kernels", lambda run: pytest.fail("timed"))
+    pipe = OfflineEngine(EngineConfig.create(llama_dir, num_kv_blocks=64))
+    linears = pipe.executor.runners[0].kernels.linears
+    pipe.close()
+    if "ppserve" not in candidates(CPU, torch.float32, 64):
+        pytest.skip("no ppserve GEMM here")
+    assert linears and all(ks == ["ppserve"] * len(ROWS) for ks in linears.values())
+    assert choose({"a": [1.0] * 5, "b": [2.0] * 4 + [0.5]}, per_rows=False) == ("a",) * 5
+    with pytest.raises(ConfigError, match=r"must be one of invariant, fastest, off; got 'fast'"):
+        EngineConfig.create(llama_dir, kernel_choice="fast")
+
+
 def test_switched_off_the_defaults_run(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """PPSERVE_KERNEL_CHOICE=0: nothing is timed, every linear runs its dtype's default kernel."""
-    monkeypatch.setenv("PPSERVE_KERNEL_CHOICE", "0")
+    """PPSERVE_KERNEL_CHOICE=off: nothing is timed, every linear runs its dtype's default kernel."""
+    monkeypatch.setenv("PPSERVE_KERNEL_CHOICE", "off")
     monkeypatch.setattr(kernel_choice, "time_kernels", lambda run: pytest.fail("timed"))
     pipe = OfflineEngine(EngineConfig.create(llama_dir, num_kv_blocks=64))
     runner = pipe.executor.runners[0]

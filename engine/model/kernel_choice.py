@@ -1,23 +1,34 @@
-"""Which kernel runs a float linear at a given row count: chosen on this machine, by timing.
+"""Which kernel runs a float linear: chosen on this machine, by timing, where that keeps the model's
+output independent of how requests are batched.
 
 A float32 or bfloat16 linear has up to three kernels (engine/model/linear.py): ppserve's own GEMM,
 oneDNN's packed one (which uses the AMX tiles where the CPU has them) and torch's matmul. Which is
 fastest depends on the CPU and on the row count: on an AMD EPYC with AVX-512 BF16, ppserve's
 bfloat16 GEMM took 0.2-0.6x oneDNN's time at 1-5 rows, while on an Intel Xeon with AMX oneDNN was
-the faster from 32 rows on. So no answer is written into the code. At a stage's start each distinct
-linear shape is timed with each candidate at the row counts of ROWS (a decode step's few rows up to
-a prefill chunk's hundreds), and the answer is kept in a table beside the built kernels, keyed by
-what decides it (CPU model and flags, torch, threads, the kernel library): a machine times a shape
-once. The stages of one machine take turns (a file lock): one times, the others read its answer.
+the faster from 32 rows on. But only ppserve's GEMM gives a row the same bits whatever else is in
+its batch (each output one sum in a fixed order; oneDNN and torch pick their kernels by the row
+count, and torch's one-row product is a different routine), and ppserve promises that a request's
+tokens do not depend on how the pipeline batched it: chunked or not, prefix-cached or not, PP=1 or
+PP=4. So the choice has two modes (EngineConfig.kernel_choice, $PPSERVE_KERNEL_CHOICE):
 
-A linear then holds its weight in the layout of the kernel that is fastest over all row counts, and
-in a second layout only where another kernel saves at least a fifth of the time at some row count
-(the weight is then held twice; the table, logged at start and served at /debug/kernels, shows it).
-Each call runs the kernel of its row count's bucket (`bucket`), prefill chunks as decode steps.
+- `invariant` (the default): ppserve's GEMM wherever it runs the linear; elsewhere (no kernel
+  library, a bfloat16 width it cannot take) the one kernel of the others that is fastest over the
+  row counts, timed, for every call. Nothing is timed on a CPU where ppserve's GEMM runs.
+- `fastest`: each call runs the kernel fastest at its row count: the weight is laid out for the
+  kernel nearest the best over all row counts, and for a second one only where that saves at least
+  a fifth of the time at some row count (the weight then held twice). Tokens may then differ with
+  the batching, by the rounding of a sum (greedy output stays the same in float32 on the tests'
+  models). For a CPU where another kernel wins by far (oneDNN's AMX at prefill sizes).
+
+Timing: each distinct linear shape, each candidate at the row counts of ROWS (a decode step's few
+rows up to a prefill chunk's hundreds), on at most SAMPLE_ROWS of the weight's output rows. The
+answers are kept in a table beside the built kernels, keyed by what decides them (CPU model and
+flags, torch, threads, the kernel library, the mode): a machine times a shape once. The stages of
+one machine take turns (a file lock): one times, the others read its answer. Each stage logs its
+linears' kernels, and /debug/pipeline shows them (`kernels`).
 
 Only float linears are chosen for: the quantized kernels compute different things (int8 activations
-in ppserve's, bfloat16 in torch's), and a model's output must not depend on a timing. Kernels of one
-dtype differ only in the order of their sums, which moves a float32 logit by rounding.
+in ppserve's, bfloat16 in torch's), and a model's output must not depend on a timing.
 """
 
 from __future__ import annotations
@@ -43,7 +54,9 @@ SAMPLE_ROWS = 2048  # a weight's output rows timed at most: time grows with them
 # Timed calls per kernel and row count (the median counts), after one to warm up: REPS, or MIN_REPS
 # once they took REP_BUDGET_S (a slow kernel at a prefill's rows would take seconds).
 REPS, MIN_REPS, REP_BUDGET_S = 5, 3, 0.02
-FORMAT = 1  # of the table file: a change of the timing or of the choice makes a new file
+FORMAT = 2  # of the table file: a change of the timing or of the choice makes a new file
+MODES = ("invariant", "fastest", "off")  # EngineConfig.kernel_choice (see the module doc)
+INVARIANT = "ppserve"  # the kernel whose rows do not depend on their batch
 
 
 def bucket(rows: int) -> int:
@@ -72,14 +85,16 @@ def time_kernels(run: Mapping[str, Callable[[int], object]], rows: Sequence[int]
     return {name: [statistics.median(t) for t in per_rows] for name, per_rows in times.items()}
 
 
-def choose(times: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
+def choose(times: Mapping[str, Sequence[float]], per_rows: bool = True) -> tuple[str, ...]:
     """A kernel per row count (per entry of the times): the one nearest the fastest over all row
-    counts, each row count counted alike; and, at the row counts where it saves at least
-    1 - SECOND_GAIN of the first's time, the one other kernel that saves the most there."""
+    counts, each row count counted alike; and with `per_rows`, at the row counts where it saves at
+    least 1 - SECOND_GAIN of the first's time, the one other kernel that saves the most there."""
     names = list(times)
     counts = range(len(times[names[0]]))
     best = [min(times[k][i] for k in names) for i in counts]
     first = min(names, key=lambda k: sum(times[k][i] / best[i] for i in counts))
+    if not per_rows:
+        return (first,) * len(counts)
 
     def saves(k: str, i: int) -> bool:
         return times[k][i] <= SECOND_GAIN * times[first][i]
@@ -91,16 +106,17 @@ def choose(times: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
     return tuple(second if saves(second, i) else first for i in counts)
 
 
-def machine_key(library: str) -> str:
-    """What decides which kernel is fastest: the CPU (model and flags), torch's version, its thread
-    count and the kernel library (`library`: its file name, which names its source and build)."""
+def machine_key(library: str, mode: str) -> str:
+    """What decides which kernel is chosen: the CPU (model and flags), torch's version, its thread
+    count, the kernel library (`library`: its file name, which names its source and build) and the
+    mode."""
     cpu = ""
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = "\n".join(next((li for li in lines if li.startswith(k)), "") for k in ("model name", "flags"))
     import torch  # here, so that the choosing above stays importable without it
 
-    parts = [str(FORMAT), cpu, torch.__version__, str(torch.get_num_threads()), library, repr(ROWS)]
+    parts = [str(FORMAT), cpu, torch.__version__, str(torch.get_num_threads()), library, repr(ROWS), mode]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -108,13 +124,15 @@ class KernelChooser:
     """The table of choices of one machine (a JSON file: shape -> a kernel per row count of ROWS),
     read, and added to, by every stage that starts there."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: str = "invariant") -> None:
+        assert mode in MODES[:2], mode
         self.path = path
+        self.mode = mode
         self.chosen: dict[str, tuple[str, ...]] = {}  # this stage's shapes, as its linears run them
 
     @classmethod
-    def for_machine(cls, cache: Path, library: str) -> KernelChooser:
-        return cls(cache / "kernels" / f"choices-{machine_key(library)}.json")
+    def for_machine(cls, cache: Path, library: str, mode: str = "invariant") -> KernelChooser:
+        return cls(cache / "kernels" / f"choices-{machine_key(library, mode)}.json", mode)
 
     def kernels(
         self, shape: str, names: Sequence[str], run: Callable[[], Mapping[str, Callable[[int], object]]]
@@ -122,14 +140,18 @@ class KernelChooser:
         """The kernel per row count of ROWS for linears of `shape` (a key naming dtype, size and
         kind), from the table, or timed now and added to it. `names`: the candidates here; `run()`
         makes them, as `time_kernels` takes them. An entry that names a kernel not among them (a
-        table written by another build) is timed again."""
+        table written by another build) is timed again. In the invariant mode, where ppserve's GEMM
+        is a candidate it is the answer, untimed."""
+        if self.mode == "invariant" and INVARIANT in names:
+            self.chosen[shape] = (INVARIANT,) * len(ROWS)
+            return self.chosen[shape]
         with self._locked():
             table = self._read()
             known = table.get(shape)
             if known is None or len(known) != len(ROWS) or not set(known) <= set(names):
                 start = time.perf_counter()
                 times = time_kernels(run())
-                known = table[shape] = list(choose(times))
+                known = table[shape] = list(choose(times, per_rows=self.mode == "fastest"))
                 log.info(
                     "timed the kernels of %s in %.2f s (ms at rows %s): %s", shape, time.perf_counter() - start,
                     "/".join(map(str, ROWS)),

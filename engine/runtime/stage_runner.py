@@ -46,8 +46,9 @@ class StageRunner:
         load_stage_weights(model, config.model, config.torch_dtype, self.device, config.quantization)
         model.inv_freq = rope_inv_freq(mc.rope, mc.head_dim).to(self.device)
         chooser = None
-        if config.kernel_choice and self.device.type == "cpu":
-            chooser = KernelChooser.for_machine(Path(config.cache_dir or cache_dir()), cpu_kernels.library_name())
+        if config.kernel_choice != "off" and self.device.type == "cpu":
+            cache = Path(config.cache_dir or cache_dir())
+            chooser = KernelChooser.for_machine(cache, cpu_kernels.library_name(), config.kernel_choice)
         model.fuse(config.torch_dtype, self.device, config.quantization == "int8", chooser)
         self.model = model.eval()
         linears = {} if chooser is None else {shape: list(ks) for shape, ks in chooser.chosen.items()}
