@@ -500,28 +500,43 @@ void add_weighted(const T* y, float weight, int64_t H, T* o) {
   for (int64_t h = 0; h < H; ++h) store(o + h, to_float(o[h]) + to_float(p[h]));
 }
 
-// A mixture of experts' layer (engine/model/moe.py, where its loop over the experts is the
-// reference): for each active expert (in the order given: ascending), the rows of its tokens
-// gathered, SiLU(gate) * up of them, down, and each result row times its weight added to its
-// token's row of `out` ([n, H], holding what the sums start from), with the roundings of the loop:
-// the product rounded to T, then the sum. experts[a]'s tokens and weights are
-// tokens[starts[a]:starts[a + 1]]; types and weights of expert e: [3 e .. 3 e + 2] (gate, up, down).
+// A mixture of experts' layer over n tokens (engine/model/moe.py, whose loop over the experts is
+// the reference): each token's k choices (choices [n, k], experts in [0, E); weights [n, k]) sorted
+// by expert, token order kept within one; then for each expert that got tokens, in ascending order,
+// their rows gathered, SiLU(gate) * up of them, down, and each result row times its weight added to
+// its token's row of `out` ([n, H], holding what the sums start from), with the loop's roundings:
+// the product rounded to T, then the sum. counts[e] += the tokens expert e got. Types and weights
+// of expert e: [3 e .. 3 e + 2] (gate, up, down).
 template <typename T>
-void gguf_moe(const T* x, int64_t H, int64_t I, int64_t active, const int64_t* experts, const int64_t* starts,
-              const int64_t* tokens, const float* weights, const int64_t* types, const uint8_t* const* w, T* out) {
+void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const float* weights, int64_t E, int64_t H,
+              int64_t I, const int64_t* types, const uint8_t* const* w, int64_t* counts, T* out) {
+  thread_local std::vector<int64_t> starts, picks;
   thread_local std::vector<T> xs, gate_up, act, y;
+  starts.assign(E + 1, 0);
+  picks.resize(n * k);
+  for (int64_t i = 0; i < n * k; ++i) {
+    if (choices[i] < 0 || choices[i] >= E) std::abort();  // the router's top k: never
+    ++starts[choices[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    counts[e] += starts[e + 1];
+    starts[e + 1] += starts[e];
+  }
+  for (int64_t i = 0, *next = starts.data(); i < n * k; ++i) picks[next[choices[i]]++] = i;  // advances starts[e]
   const int64_t gate_up_rows[2] = {I, I};
-  for (int64_t a = 0; a < active; ++a) {
-    const int64_t e = experts[a], m = starts[a + 1] - starts[a], *tok = tokens + starts[a];
+  for (int64_t e = 0, first = 0; e < E; first = starts[e++]) {  // starts[e] now ends expert e's picks
+    const int64_t m = starts[e] - first;
+    if (m == 0) continue;
+    const int64_t* pick = picks.data() + first;
     xs.resize(m * H);
     gate_up.resize(m * 2 * I);
     act.resize(m * I);
     y.resize(m * H);
-    for (int64_t r = 0; r < m; ++r) std::copy(x + tok[r] * H, x + (tok[r] + 1) * H, xs.data() + r * H);
+    for (int64_t r = 0; r < m; ++r) std::copy(x + pick[r] / k * H, x + (pick[r] / k + 1) * H, xs.data() + r * H);
     gguf_linear<T>(xs.data(), m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr, gate_up.data());
     silu_mul(gate_up.data(), act.data(), m, I);
     gguf_linear<T>(act.data(), m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr, y.data());  // H rows
-    for (int64_t r = 0; r < m; ++r) add_weighted(y.data() + r * H, weights[starts[a] + r], H, out + tok[r] * H);
+    for (int64_t r = 0; r < m; ++r) add_weighted(y.data() + r * H, weights[pick[r]], H, out + pick[r] / k * H);
   }
 }
 
@@ -537,10 +552,10 @@ extern "C" {
   void gguf_rows_##suffix(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, T* out) {     \
     gguf_rows(type, w, K, ids, n, out);                                                                          \
   }                                                                                                              \
-  void gguf_moe_##suffix(const T* x, int64_t H, int64_t I, int64_t active, const int64_t* experts,                \
-                         const int64_t* starts, const int64_t* tokens, const float* weights, const int64_t* types, \
-                         const uint8_t* const* w, T* out) {                                                       \
-    gguf_moe(x, H, I, active, experts, starts, tokens, weights, types, w, out);                                  \
+  void gguf_moe_##suffix(const T* x, int64_t n, int64_t k, const int64_t* choices, const float* weights, int64_t E, \
+                         int64_t H, int64_t I, const int64_t* types, const uint8_t* const* w, int64_t* counts,   \
+                         T* out) {                                                                                \
+    gguf_moe(x, n, k, choices, weights, E, H, I, types, w, counts, out);                                         \
   }
 
 PPSERVE_GGUF_KERNELS(f32, float)

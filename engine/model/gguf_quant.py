@@ -100,7 +100,7 @@ def _kernels() -> dict[str, Any] | None:
         linear.argtypes, linear.restype = [_PTR, _INT64, _INT64, _INT64] + [_PTR] * 5, None
         rows.argtypes, rows.restype = [_INT64, _PTR, _INT64, _PTR, _INT64, _PTR], None
         moe = getattr(dll, f"gguf_moe_{suffix}")
-        moe.argtypes, moe.restype = [_PTR, _INT64, _INT64, _INT64] + [_PTR] * 7, None
+        moe.argtypes, moe.restype = [_PTR, _INT64, _INT64, _PTR, _PTR] + [_INT64] * 3 + [_PTR] * 4, None
         fns[f"linear_{suffix}"], fns[f"rows_{suffix}"], fns[f"moe_{suffix}"] = linear, rows, moe
     return fns
 
@@ -173,23 +173,18 @@ class GGUFExperts:
         return cls(g, d, dtype) if gate_up == {(inner, hidden)} and down == {(hidden, inner)} else None
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        experts: torch.Tensor,
-        starts: torch.Tensor,
-        tokens: torch.Tensor,
-        weights: torch.Tensor,
-        out: torch.Tensor,
+        self, x: torch.Tensor, choices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """Adds to out [n, hidden] each token's experts' outputs times their weights: experts (int64,
-        ascending) the active ones, expert a's tokens and weights (float32) at [starts[a], starts[a + 1])."""
-        assert x.dtype == out.dtype == self.dtype and weights.dtype == torch.float32
-        tensors = [t.contiguous() for t in (x, experts, starts, tokens, weights)]
-        assert out.is_contiguous()
-        x, experts, starts, tokens, weights = tensors
+        """Adds to out [n, hidden] each token's chosen experts' outputs times their weights: choices
+        [n, k] (int64 experts), weights [n, k] (float32); counts [experts] (int64) += tokens per expert."""
+        assert x.dtype == out.dtype == self.dtype and weights.dtype == torch.float32 and choices.dtype == torch.int64
+        assert counts.dtype == torch.int64 and counts.shape[0] * 3 == len(self.types)
+        x, choices, weights = (t.contiguous() for t in (x, choices, weights))
+        assert out.is_contiguous() and counts.is_contiguous() and choices.shape == weights.shape
+        n, k = choices.shape
         self._fn(
-            x.data_ptr(), self.hidden, self.inner, experts.shape[0], experts.data_ptr(), starts.data_ptr(),
-            tokens.data_ptr(), weights.data_ptr(), self.types, self.weights, out.data_ptr(),
+            x.data_ptr(), n, k, choices.data_ptr(), weights.data_ptr(), counts.shape[0], self.hidden, self.inner,
+            self.types, self.weights, counts.data_ptr(), out.data_ptr(),
         )  # fmt: skip
 
 

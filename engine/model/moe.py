@@ -67,6 +67,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden] -> [n, hidden]."""
         experts, weights = self.route(x)
+        if self.grouped is not None:  # the loop below, in C++, the grouping too
+            out = torch.zeros_like(x)
+            self.grouped(x, experts, weights.float(), self.tokens, out)
+            return out
         k = self.cfg.top_k
         choices = experts.flatten()  # token t's j-th choice at t * k + j
         order = torch.argsort(choices, stable=True)  # the choices grouped by expert, experts ascending
@@ -74,11 +78,6 @@ class MoE(nn.Module):
         self.tokens += counts.cpu()
         out = torch.zeros_like(x)
         flat_weights = weights.flatten()
-        if self.grouped is not None:  # the loop below, in C++
-            active = counts.nonzero().flatten()
-            starts = F.pad(torch.cumsum(counts[active], 0), (1, 0))
-            self.grouped(x, active, starts, order // k, flat_weights[order].float(), out)
-            return out
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n == 0:
