@@ -96,6 +96,11 @@ class AsyncEngine:
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> AsyncEngine:
+        cfg = self.config
+        if cfg.device == "cpu" and cfg.cpu_kernels and cfg.synthetic_latency is None:
+            # Built once here, before the stages start (and before their start-up timeout runs):
+            # each would otherwise compile it at once, at a low priority, on a machine they load.
+            await asyncio.get_running_loop().run_in_executor(None, _build_cpu_kernels, cfg)
         self._pool = pool = make_pool(self.config, self._on_stage_failure)
         atexit.register(pool.kill_now)
         try:
@@ -498,3 +503,12 @@ class AsyncEngine:
     def _fail_streams(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
+
+
+def _build_cpu_kernels(config: EngineConfig) -> None:
+    """The CPU kernel library of the stages on this machine, built into the cache if it is not there
+    (engine/model/cpu_kernels.py); the stages then load it."""
+    from ppserve.engine.model import cpu_kernels
+
+    cpu_kernels.configure(config.cpu_kernels, config.cache_dir)
+    cpu_kernels.load()

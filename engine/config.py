@@ -134,6 +134,11 @@ class EngineConfig:
             | {k: v for k, v in env.items() if v is not None}
             | {k: v for k, v in given.items() if v is not None}
         )
+        if not Path(model).exists():
+            raise ConfigError(
+                f"model {str(model)!r} does not exist: give a Hugging Face checkpoint directory (config.json, "
+                "safetensors, tokenizer.json) or a .gguf file"
+            )
         if is_gguf_file(model):  # from here on, the prepared directory stands for the file
             model = prepare_gguf(model)
         model_config = ModelConfig.from_dir(model)

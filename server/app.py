@@ -20,7 +20,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from aiohttp import web
 
@@ -45,7 +45,7 @@ log = logging.getLogger("ppserve.server")
 # No API key needed: probes, docs, and the playground page (it holds no secrets; what it fetches
 # needs the key). /metrics needs it unless `metrics_public`: its counters tell how busy the server
 # is and how often prompts share a cached prefix.
-OPEN_PATHS = frozenset({"/health", "/openapi.json", "/"})
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/"})
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def client_key(options: ServerOptions, tenant: Tenant | None, connection: object
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from ppserve.server import native_api, openai_api, openapi, playground
+    from ppserve.server import native_api, openai_api, openapi, playground, tokenizer_api
 
     options = options or ServerOptions()
     quiet_client_errors()
@@ -284,10 +284,13 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # names such as org/model have a slash
+    app.router.add_get("/version", version)
     app.router.add_get("/debug/timeline", timeline)
     app.router.add_post("/flush_cache", flush_cache)
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    tokenizer_api.add_routes(app)
     openapi.add_routes(app)
     playground.add_routes(app, page=options.playground)
     return app
@@ -411,8 +414,27 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model's card, or 404 for another name."""
     state = request.app[STATE]
-    card = {
+    name = request.match_info["model"]
+    if name != state.options.served_model_name:
+        raise ApiError(404, f"model {name!r} is not served here; use {state.options.served_model_name!r}", "model")
+    return web.json_response(_card(state))
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version: the server's version (no API key needed, as /health)."""
+    from ppserve.server.cli import version as installed
+
+    return web.json_response({"version": installed()})
+
+
+def _card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.options.served_model_name,
         "object": "model",
         "created": state.created,
@@ -420,7 +442,6 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": state.config.max_model_len,
         "synthetic": state.config.synthetic_latency is not None,  # stages that only model timing
     }
-    return web.json_response({"object": "list", "data": [card]})
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -55,9 +55,32 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def port(text: str) -> int:
+    """A TCP port flag's value: 1 to 65535, or 0 for any free one (never wrapped: the OS takes a
+    port modulo 65536, so 80000 would have bound 14464)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535 (0: any free one), got {value}")
+    return value
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("ppserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ppserve", description="Pipeline-parallel LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"ppserve {version()}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{generate,serve,router}")
     gen = sub.add_parser("generate", help="one-shot generation from the terminal")
     add_engine_flags(gen)
     source = gen.add_mutually_exclusive_group(required=True)
@@ -78,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
     add_client_flags(serve)
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument(
@@ -88,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not serve the playground page (chat and live pipeline view) at /",
     )
     serve.add_argument(
-        "--max-waiting-requests", type=int, default=4096, help="queue length beyond which requests get HTTP 503"
+        "--max-waiting-requests",
+        type=int,
+        default=4096,
+        help="queue length beyond which requests get HTTP 503 (default 4096)",
     )
     serve.add_argument(
         "--max-requests-per-client",
@@ -104,13 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, let requests in flight finish for this long (default 10)",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe messages logged (default info; warning also silences the access log)",
+    )
     add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
     router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' HTTP URLs")
     router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' HTTP URLs")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    router.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    router.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
     router.add_argument(
         "--cluster-key-file",
         default=None,
@@ -133,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `ppserve`: what it can do
+        parser.print_help()
+        return
     try:
         if args.command == "generate":
             _generate(args)
@@ -305,10 +340,25 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
         if (pd := runner.app[STATE].disaggregation()) is not None:
             print(f"ppserve: {pd['mode']} side of a disaggregated pair; bootstrap at {pd['bootstrap']}", flush=True)
         await stop.wait()
-        print("ppserve: shutting down", flush=True)
+        stop.clear()
+        print(f"ppserve: shutting down (requests in flight get up to {options.shutdown_timeout_s:g} s; "
+              "Ctrl-C again to stop at once)", flush=True)  # fmt: skip
         # Drain while still listening, so that /health answers 503 meanwhile (runner.cleanup
-        # stops listening first, then shuts the app down).
-        await shut_down(runner.app)
+        # stops listening first, then shuts the app down). A second signal ends the drain: the
+        # engine closes at once, its streams end with an error, its stages and memory are freed.
+        drain = asyncio.ensure_future(shut_down(runner.app))
+        again = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
+        if not drain.done():
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
+            print("ppserve: stopping at once", flush=True)
+            if (engine := runner.app[STATE].engine) is not None:
+                await engine.close()
+        else:
+            drain.result()
     finally:
         await runner.cleanup()
 

@@ -29,6 +29,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "dynamic_chunking_smooth_factor": "chunk_smooth",
     "stage_timeout": "stage_timeout_s",
+    "stage_start_timeout": "stage_start_timeout_s",
     "max_stage_restarts": "max_stage_restarts",
     "synthetic_latency": "synthetic_latency",
     "max_waiting_requests": "max_waiting_requests",  # serve only
@@ -53,7 +54,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="weight-only quantized linears: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 weights quantized (int8, int4), "
         "none dequantizes every weight to --dtype, int8 quantizes every linear to int8 (default: auto)",
     )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the stages compute (default cpu)")
     p.add_argument(
         "--gpu-ids",
         type=_parse_gpu_ids,
@@ -62,10 +63,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="CUDA devices for the stages, e.g. 2,3 (default: every visible one); stage k runs on the k-th, "
         "neighbouring stages share when there are fewer devices than stages",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory per stage, GiB (default 1)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk (default 512)"
+    )
     p.add_argument(
         "--max-batched-tokens",
         type=int,
@@ -79,7 +82,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "shm", "gloo", "nccl", "zmq"],
         help="how activations travel between stages (auto: nccl on CUDA with a GPU per stage, else shm)",
     )
-    p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once")
+    p.add_argument("--max-running-requests", type=int, default=256, help="requests computed at once (default 256)")
     p.add_argument(
         "--enable-dynamic-chunking",
         action="store_true",
@@ -106,6 +109,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a live stage silent this long is declared hung, killed and replaced (default 10; a dead "
         "process is noticed at once)",
+    )
+    p.add_argument(
+        "--stage-start-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long the stages may take to start (load, build the CPU kernels, profile) before the start "
+        "fails (default 120)",
     )
     p.add_argument(
         "--max-stage-restarts",

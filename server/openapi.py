@@ -21,20 +21,33 @@ from ppserve.engine.model.grammar import MAX_CHOICES
 from ppserve.scheduler.sampling_params import FIELDS, MAX_LOGIT_BIAS
 from ppserve.server.app import STATE
 from ppserve.server.limits import RequestLimits
-from ppserve.server.protocol import MAX_N, ChatRequest, CompletionRequest, GenerateRequest, WsMessage
+from ppserve.server.protocol import (
+    MAX_N,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    WsMessage,
+)
 from ppserve.server.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     ChromeTrace,
     Completion,
     CompletionChunk,
+    Detokenized,
     ErrorResponse,
     FlushCacheResult,
     GenerateChunk,
     GenerateResult,
     Health,
+    ModelCard,
     ModelList,
     PipelineView,
+    Tokenized,
+    TokenizerInfo,
+    Version,
     WsEvent,
 )
 from ppserve.server.tool_calls import MAX_TOOLS
@@ -75,6 +88,7 @@ _ERRORS = {
     401: "the server has an API key and `Authorization: Bearer <key>` is missing or wrong",
     403: "a foreign `Host` on a loopback-bound server, or a websocket from a foreign `Origin`",
     413: "the body is over the size limit (16 MiB by default)",
+    404: "no such model (or path)",
     415: "the body is not sent as `Content-Type: application/json`",
     503: "the queue is full, the engine is dead, or the server is shutting down",
 }
@@ -147,6 +161,50 @@ def _paths() -> dict[str, Any]:
                 "openai",
                 "The served model and its context length",
                 {"200": _json("ModelList", "one model"), **_errors(401)},
+            )
+        },
+        "/v1/models/{model}": {
+            "get": _op(
+                "retrieveModel",
+                "openai",
+                "The served model's card; 404 for another name",
+                {"200": _json("ModelCard", "the model"), **_errors(401, 404)},
+                extra={"parameters": [_MODEL]},
+            )
+        },
+        "/version": {
+            "get": _op(
+                "version",
+                "operations",
+                "The server's version (no API key needed)",
+                {"200": _json("Version", "the version")},
+                extra=OPEN,
+            )
+        },
+        "/tokenizer_info": {
+            "get": _op(
+                "tokenizerInfo",
+                "tokenizer",
+                "The tokenizer's special tokens, chat template and context length (vLLM's fields)",
+                {"200": _json("TokenizerInfo", "the tokenizer"), **_errors(401, 503)},
+            )
+        },
+        "/tokenize": {
+            "post": _op(
+                "tokenize",
+                "tokenizer",
+                "Token ids of a prompt, or of chat messages as the chat template renders them",
+                {"200": _json("Tokenized", "the token ids"), **_errors(400, 401, 413, 415, 503)},
+                body="TokenizeRequest",
+            )
+        },
+        "/detokenize": {
+            "post": _op(
+                "detokenize",
+                "tokenizer",
+                "The text of token ids, special tokens kept",
+                {"200": _json("Detokenized", "the text"), **_errors(400, 401, 413, 415, 503)},
+                body="DetokenizeRequest",
             )
         },
         "/generate": {
@@ -251,6 +309,7 @@ def _paths() -> dict[str, Any]:
     }
 
 
+_MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
 _SINCE = {
     "name": "since",
     "in": "query",
@@ -321,18 +380,20 @@ def _limits(limits: RequestLimits) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _components(limits: RequestLimits) -> dict[str, Any]:
-    requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest]
+    requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest]
     responses: list[Any] = [
         ErrorResponse,
         *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
         *(GenerateResult, GenerateChunk, Health, FlushCacheResult, ChromeTrace, PipelineView),
+        *(TokenizerInfo, Tokenized, Detokenized, ModelCard, Version),
     ]
     (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
         [*requests, *responses, WsMessage, WsEvent], ref_template=REF
     )
     schemas["WsMessage"] = ws_message  # the unions have no name of their own
     schemas["WsEvent"] = ws_event
-    bodies = ("CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth")
+    bodies = ["CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth"]
+    bodies += ["TokenizeRequest", "DetokenizeRequest"]
     ranges = _limits(limits)
     for name in (*bodies, "NativeSampling"):
         for field, prop in schemas[name]["properties"].items():

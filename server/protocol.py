@@ -331,6 +331,23 @@ class ChatRequest(_OpenAIRequest, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ShortText | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: the template writes a chat's special tokens
+    add_generation_prompt: bool = True  # messages only
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give either prompt or messages", "prompt" if self.prompt is None else "messages")
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ShortText | None = None
+    tokens: list[TokenId]
+
+
 class NativeSampling(_Sampling, kw_only=True, forbid_unknown_fields=True):
     max_tokens: MaxTokens = None
     logprobs: NumLogprobs | None = None

@@ -200,6 +200,40 @@ class Health(msgspec.Struct):
     stages: list[StageNode] | None = None  # under Ray (--executor ray): where each stage runs now
 
 
+class Version(msgspec.Struct):
+    version: str
+
+
+class TokenizerInfo(msgspec.Struct):
+    """GET /tokenizer_info: what a remote tokenizer needs (vLLM's fields)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    chat_template: str | None
+    model_max_length: int  # the served context (max_model_len)
+    max_model_len: int
+    vocab_size: int
+
+
+class Tokenized(msgspec.Struct):
+    """POST /tokenize's answer."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(msgspec.Struct):
+    """POST /detokenize's answer."""
+
+    prompt: str
+
+
 class ChromeTrace(msgspec.Struct):
     """Trace Event Format: one thread per stage, one complete ("X") event per computed plan."""
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -229,8 +230,23 @@ def test_cluster_key_and_rendezvous_address_errors(llama_dir: Path, tmp_path: Pa
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:
-    res = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    """A path that is not there says so, and what --model takes; a directory without a config says that."""
+    for missing in (tmp_path / "nope", tmp_path / "nope.gguf"):
+        res = run_cli("generate", "--model", str(missing), "--prompt", "x")
+        assert res.returncode == 2 and f"model '{missing}' does not exist" in res.stderr, res.stderr
+        assert "a .gguf file" in res.stderr
+    res = run_cli("generate", "--model", str(tmp_path), "--prompt", "x")
     assert res.returncode == 2 and "no config.json in" in res.stderr
+
+
+def test_version_and_a_bare_ppserve(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppserve --version` names the version; `ppserve` alone lists the commands."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("ppserve ")
+    main([])
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("generate", "serve", "router"))
 
 
 @pytest.mark.slow
@@ -271,6 +287,9 @@ DECODE = ["--disaggregation-mode", "decode"]
         # The pair's sockets need the cluster key, unless the user opts out loudly.
         (DECODE, "needs a shared secret on both sides"),
         (["--log-level", "loud"], "--log-level"),
+        (["--port", "80000"], "a port is 1 to 65535 (0: any free one), got 80000"),
+        (["--port", "-1"], "a port is 1 to 65535"),
+        (["--stage-start-timeout", "0"], "stage_start_timeout_s must be a positive number"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     ],
 )
@@ -336,7 +355,8 @@ def test_ctrl_c_while_stages_start_prints_one_line(llama_dir: Path) -> None:
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode in (0, 130), err
     last = (out + err).strip().splitlines()[-1]
-    assert last in ("ppserve: start-up interrupted", "ppserve: shutting down", "ppserve serve: interrupted"), out + err
+    ended = ("ppserve: start-up interrupted", "ppserve: shutting down", "ppserve serve: interrupted")
+    assert last.startswith(ended), out + err
     assert not any(alive(pid) for pid in stages)
 
 
@@ -383,3 +403,35 @@ def test_smooth_factor_from_flag_or_environment(llama_dir: Path, monkeypatch: py
     assert EngineConfig.create(llama_dir, num_kv_blocks=8, chunk_smooth=1.0).chunk_smooth == 1.0  # the flag wins
     args = build_parser().parse_args(["serve", "--enable-dynamic-chunking", "--synthetic-latency", "1e-9,2e-5,0.001"])
     assert args.enable_dynamic_chunking and args.synthetic_latency == (1e-9, 2e-5, 0.001)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once(llama_dir: Path) -> None:
+    """The first Ctrl-C drains (requests in flight may finish, here for up to a minute); a second
+    one ends that at once: the request in flight gets its end, the stages are gone, the server
+    exits. What would otherwise wait out --shutdown-timeout takes a moment."""
+    server = LiveServer(llama_dir, "--pp-size", "2", "--kv-cache-gb", "0.02", "--shutdown-timeout", "60")
+    stages = server.stage_pids()
+    body = {"prompt": "once upon", "max_tokens": 1500, "ignore_eos": True}
+    answers: list[int] = []
+    worker = threading.Thread(target=lambda: answers.append(_status(server, body)), daemon=True)
+    worker.start()
+    try:
+        server.wait_until(lambda: server.metrics().get("ppserve_requests_running", 0) >= 1, what="the request")
+        server.proc.send_signal(signal.SIGINT)
+        server.wait_until(lambda: any("Ctrl-C again" in line for line in server.output), what="the drain")
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=30) == 0  # a guard against a hang: the drain had 60 s left
+    finally:
+        server.stop()
+    worker.join(timeout=30)
+    assert any("stopping at once" in line for line in server.output), "".join(server.output)
+    assert len(stages) == 2 and not any(alive(pid) for pid in stages)
+
+
+def _status(server: LiveServer, body: dict[str, object]) -> int:
+    """The request's HTTP status, or 0 where the connection ended without one."""
+    try:
+        return server.request("POST", "/v1/completions", body)[0]
+    except OSError:
+        return 0
