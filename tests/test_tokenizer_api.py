@@ -48,11 +48,16 @@ def test_tokenize_and_detokenize_are_the_models_tokenizer(live_server: LiveServe
     assert "<|assistant|>" in body["prompt"]  # special tokens kept
 
 
-def test_bad_input_is_a_400_naming_the_field(live_server: LiveServer) -> None:
+def test_bad_input_is_a_400_naming_the_field(live_server: LiveServer, llama_dir: Path) -> None:
+    """A prompt longer than the context is counted (lm-evaluation-harness measures documents so),
+    but text that no tokenization could fit is refused before any tokenizing."""
+    status, body = _post(live_server, "/tokenize", {"prompt": "a b " * 5000})
+    assert status == 200 and body["count"] > body["max_model_len"]
+    too_long = "x" * (Tokenizer(llama_dir).max_token_chars * 2048 + 1)
     cases: list[tuple[str, dict[str, Any], str | None]] = [
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "messages"),
         ("/tokenize", {}, "prompt"),
-        ("/tokenize", {"prompt": "a b " * 5000}, "prompt"),  # past the 2048-token context
+        ("/tokenize", {"prompt": too_long}, "prompt"),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [1, 512]}, "tokens"),
         ("/detokenize", {"tokens": [-1]}, None),

@@ -227,6 +227,7 @@ def _load(cache: str, variant: str) -> ctypes.CDLL | None:
         key = hashlib.sha256(" ".join([*texts, version, _cpu_flags(), variant, *cmd]).encode()).hexdigest()[:16]
         lib = Path(cache) / "kernels" / f"cpu_kernels-{variant}-{key}.so"
         if not lib.exists():
+            log.info("building the CPU kernels for this machine (once, about half a minute): %s", lib.name)
             lib.parent.mkdir(parents=True, exist_ok=True)
             # Built under a temporary name and renamed: stages starting at once each build, and
             # the rename makes whichever finishes first the one the others load.
@@ -241,7 +242,7 @@ def _load(cache: str, variant: str) -> ctypes.CDLL | None:
         detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
         log.warning("cannot build the CPU kernels (%s): the forward pass runs torch ops only", *detail or ["?"])
         return None
-    log.info("CPU kernels: the %s build, %s", variant, lib)
+    log.debug("CPU kernels: the %s build, %s", variant, lib)
     _ISA_OF[dll] = variant
     kernels = _ARGTYPES | (_QUANT_ARGTYPES if hasattr(dll, "quant_gemm_q4_f32") else {})
     kernels |= _PREFILL_ARGTYPES if hasattr(dll, "prefill_attention_f32") else {}
