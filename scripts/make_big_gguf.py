@@ -169,7 +169,6 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
 
 def add_metadata(writer: gguf.GGUFWriter, layers: int) -> None:
     a = "llama"
-    tokens, types, merges = vocabulary()
     writer.add_string("general.name", "big-llama-8b-random")
     writer.add_uint32("general.file_type", Q4_K_M)
     writer.add_uint32("general.quantization_version", 2)
@@ -188,6 +187,12 @@ def add_metadata(writer: gguf.GGUFWriter, layers: int) -> None:
         writer.add_uint32(f"{a}.{key}", value)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
+    add_vocabulary(writer)
+
+
+def add_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """The tokenizer's keys: `vocabulary()`, its special ids and the chat template."""
+    tokens, types, merges = vocabulary()
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_key_value("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
     writer.add_key_value("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)

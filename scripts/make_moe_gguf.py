@@ -25,8 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType as V
-from make_big_gguf import BOS, CHAT_TEMPLATE, EOS, EOT, VOCAB, vocabulary
+from make_big_gguf import VOCAB, add_vocabulary
 
 from ppserve.engine.model.cache_dir import cache_dir
 
@@ -91,7 +90,6 @@ def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], q
 
 def add_metadata(writer: gguf.GGUFWriter, qtype: Q) -> None:
     a = "qwen3moe"
-    tokens, types, merges = vocabulary()
     writer.add_string("general.name", "moe-qwen3-random")
     writer.add_uint32("general.file_type", FILE_TYPES[qtype])
     writer.add_uint32("general.quantization_version", 2)
@@ -111,15 +109,8 @@ def add_metadata(writer: gguf.GGUFWriter, qtype: Q) -> None:
         writer.add_uint32(f"{a}.{key}", value)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", EPS)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
-    writer.add_string("tokenizer.ggml.model", "gpt2")
+    add_vocabulary(writer)
     writer.add_string("tokenizer.ggml.pre", "qwen2")
-    writer.add_key_value("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
-    writer.add_key_value("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)
-    writer.add_key_value("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", BOS)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", EOS)
-    writer.add_uint32("tokenizer.ggml.eot_token_id", EOT)
-    writer.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
 
 
 def write(path: Path, qtype: Q = Q.Q4_0, seed: int = SEED) -> Path:
