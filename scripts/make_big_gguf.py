@@ -190,10 +190,13 @@ def add_metadata(writer: gguf.GGUFWriter, layers: int) -> None:
     add_vocabulary(writer)
 
 
-def add_vocabulary(writer: gguf.GGUFWriter) -> None:
-    """The tokenizer's keys: `vocabulary()`, its special ids and the chat template."""
+def add_vocabulary(writer: gguf.GGUFWriter, pre: str | None = None) -> None:
+    """The tokenizer's keys: `vocabulary()`, its special ids and the chat template (`pre`: the
+    pre-tokenizer llama.cpp names, where the file says one)."""
     tokens, types, merges = vocabulary()
     writer.add_string("tokenizer.ggml.model", "gpt2")
+    if pre is not None:
+        writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_key_value("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
     writer.add_key_value("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)
     writer.add_key_value("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING)

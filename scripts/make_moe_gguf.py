@@ -109,8 +109,7 @@ def add_metadata(writer: gguf.GGUFWriter, qtype: Q) -> None:
         writer.add_uint32(f"{a}.{key}", value)
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", EPS)
     writer.add_float32(f"{a}.rope.freq_base", ROPE_BASE)
-    add_vocabulary(writer)
-    writer.add_string("tokenizer.ggml.pre", "qwen2")
+    add_vocabulary(writer, pre="qwen2")
 
 
 def write(path: Path, qtype: Q = Q.Q4_0, seed: int = SEED) -> Path:
