@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,13 +46,19 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("arch", list(SPECS))
-def test_f32_gguf_gives_the_checkpoints_logits(hf_dirs: dict[str, Path], tmp_path: Path, arch: str) -> None:
+def test_f32_gguf_gives_the_checkpoints_logits(
+    hf_dirs: dict[str, Path], tmp_path: Path, arch: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The same weights through GGUF (names, permutation, config, tied head) and through
-    safetensors give bit-identical logits, split in two stages, and the same tokens for text."""
+    safetensors give bit-identical logits, split in two stages, and the same tokens for text. The
+    first start says what it converts, and where it keeps it."""
     path = write_gguf(hf_dirs[arch], tmp_path / f"{arch}.gguf")
     prompt = random_prompt(random.Random(arch), 30)
     expected = prompt_logits(pipeline(hf_dirs[arch], pp_size=2), prompt)
+    capsys.readouterr()
     assert torch.equal(prompt_logits(pipeline(path, pp_size=2), prompt), expected)
+    said = capsys.readouterr().err
+    assert re.search(r"converting \d+ tensor\(s\) \(F32\) in \d+ layer group\(s\) of .* to float32, once", said), said
     prepared = Path(EngineConfig.create(path).model)
     shards = sorted(p.name for p in (prepared / "float32").iterdir())
     assert shards == sorted(["embed.safetensors", "head.safetensors", *(f"layer-{i}.safetensors" for i in range(4))])

@@ -133,9 +133,14 @@ def read_gguf_tensors(
                 yield from ((name, f.get_tensor(name)) for name in shard_names)
             continue
         if not announced:
-            todo = sum(not direct(s) and not (shard_dir / f"{s}.safetensors").is_file() for s in wanted)
+            # Only these become floats (the tensors a linear runs quantized are not among them):
+            # say which, and how many, since on a first start this can take a while.
+            todo = [s for s in wanted if not direct(s) and not (shard_dir / f"{s}.safetensors").is_file()]
+            types = sorted({table[n][0] for s in todo for n in wanted[s]})
+            count = sum(len(wanted[s]) for s in todo)
             print(
-                f"ppserve: dequantizing {todo} layer group(s) of {Path(info['source']).name} to {dtype} (once)",
+                f"ppserve: converting {count} tensor(s) ({', '.join(types)}) in {len(todo)} layer group(s) of "
+                f"{Path(info['source']).name} to {str(dtype).removeprefix('torch.')}, once (cached in {shard_dir})",
                 file=sys.stderr,
                 flush=True,
             )
