@@ -41,8 +41,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 class JsonSchemaFormat(msgspec.Struct):
     name: ShortText = "response"
     schema: dict[str, Any] | None = None
-    # The schema is enforced either way; strict adds OpenAI's strict-mode rule that an object has
-    # only the properties it lists (additionalProperties: false where the schema says nothing).
+    # The schema is enforced either way; strict adds OpenAI's strict-mode rules (strict_schema).
     strict: bool | None = None
     description: str | None = None
 
@@ -61,27 +60,30 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
         if self.json_schema is None or self.json_schema.schema is None:
             raise _error("response_format of type json_schema needs json_schema.schema", "response_format")
         schema = self.json_schema.schema
-        return "json", closed_objects(schema) if self.json_schema.strict else schema
+        return "json", strict_schema(schema) if self.json_schema.strict else schema
 
 
-def closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object schema that does not say
-    (OpenAI's strict mode, which otherwise refuses such a schema). A copy; depth is bounded by
-    the schema's size limit and msgspec's decoding depth."""
+def strict_schema(schema: Any) -> Any:
+    """`schema` under OpenAI's strict mode (which refuses a schema that breaks its rules; this
+    applies them instead): every object has only the properties it lists (`additionalProperties:
+    false` where the schema says nothing) and all of them (`required`: every property). A copy;
+    depth is bounded by the schema's size limit and msgspec's decoding depth."""
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [strict_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
-            out[key] = {name: closed_objects(v) for name, v in value.items()}
+            out[key] = {name: strict_schema(v) for name, v in value.items()}
         elif key in _DATA:  # values, not schemas
             out[key] = value
         else:
-            out[key] = closed_objects(value)
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
+            out[key] = strict_schema(value)
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+        if isinstance(out.get("properties"), dict):
+            out["required"] = list(out["properties"])
     return out
 
 

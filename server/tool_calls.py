@@ -21,7 +21,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ppserve.server.structured import strict_schema
+
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8  # calls one answer may make at once (the array of calls closes there)
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 
@@ -30,7 +33,7 @@ class FunctionDef(msgspec.Struct):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
-    strict: bool | None = None  # arguments always follow the schema when decoding is constrained
+    strict: bool | None = None  # OpenAI's strict mode on the arguments (structured.strict_schema)
 
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,7 +91,9 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
 
 def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[str, Any] | None:
     """The JSON schema decoding is constrained to: a non-empty array of calls, for "required" and a
-    named function (then exactly one call of it); None for "auto" and "none"."""
+    named function (then exactly one call of it); None for "auto" and "none". Parallel calls are at
+    most MAX_PARALLEL_CALLS, so that the array closes (a model may repeat a call until max_tokens);
+    a tool with `strict` gets arguments under OpenAI's strict mode (structured.strict_schema)."""
     if choice in ("auto", "none"):
         return None
     chosen = [t for t in tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
@@ -97,7 +102,7 @@ def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object", "properties": {}},
+                "arguments": _arguments(t.function),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -109,9 +114,13 @@ def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[
         "items": items[0] if len(items) == 1 else {"anyOf": items},
         "minItems": 1,
     }
-    if isinstance(choice, NamedToolChoice) or not parallel:
-        schema["maxItems"] = 1
+    schema["maxItems"] = 1 if isinstance(choice, NamedToolChoice) or not parallel else MAX_PARALLEL_CALLS
     return schema
+
+
+def _arguments(function: FunctionDef) -> dict[str, Any]:
+    schema = function.parameters or {"type": "object", "properties": {}}
+    return strict_schema(schema) if function.strict else schema
 
 
 def template_takes_tools(chat_template: str | None) -> bool:

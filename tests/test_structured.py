@@ -31,7 +31,8 @@ from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.offline import OfflineEngine
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.server.structured import closed_objects
+from ppserve.server.structured import strict_schema
+from ppserve.server.tool_calls import MAX_PARALLEL_CALLS, FunctionDef, Tool, calls_schema
 from ppserve.transport.messages import NewRequest, SeqChunk, StepPlan, WireSamplingParams
 
 # ---- schemas a small model can always finish: strings, arrays and integers are bounded ------
@@ -98,18 +99,42 @@ def test_build_grammar_refuses_bad_specs_naming_the_problem() -> None:
         build_grammar("grammar", "root ::= foo")
 
 
-def test_strict_closes_every_object_schema_that_does_not_say() -> None:
+def test_strict_closes_every_object_schema_and_requires_its_properties() -> None:
+    """OpenAI's strict mode, applied: objects list only their properties, and all of them."""
     inner = {
         "properties": {"type": "object", "properties": {}},
         "open": {"type": "object", "additionalProperties": True},
     }
-    schema = {"type": "object", "properties": inner, "$defs": {"P": {"properties": {"type": {"enum": ["object"]}}}}}
-    closed = closed_objects(schema)
-    assert closed["additionalProperties"] is False
-    assert closed["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
-    assert closed["properties"]["open"]["additionalProperties"] is True  # said: kept
-    assert closed["$defs"]["P"] == {"properties": {"type": {"enum": ["object"]}}, "additionalProperties": False}
-    assert "additionalProperties" not in schema  # a copy
+    schema = {
+        "type": "object",
+        "properties": inner,
+        "required": ["open"],
+        "$defs": {"P": {"properties": {"type": {"enum": ["object"]}}}},
+    }
+    strict = strict_schema(schema)
+    assert strict["additionalProperties"] is False and strict["required"] == ["properties", "open"]
+    assert strict["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert strict["properties"]["open"]["additionalProperties"] is True  # said: kept
+    assert strict["$defs"]["P"] == {
+        "properties": {"type": {"enum": ["object"]}},
+        "additionalProperties": False,
+        "required": ["type"],
+    }
+    assert "additionalProperties" not in schema and schema["required"] == ["open"]  # a copy
+
+
+def test_tool_calls_schema_caps_parallel_calls_and_honours_strict() -> None:
+    """tool_choice "required" with parallel calls: at most MAX_PARALLEL_CALLS, so that the array of
+    calls closes; a strict function's arguments closed and all required; a named one: one call."""
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    plain = Tool("function", FunctionDef("weather", parameters=parameters))
+    strict = Tool("function", FunctionDef("forecast", parameters=parameters, strict=True))
+    schema = calls_schema([plain, strict], "required", True)
+    assert schema is not None and schema["minItems"] == 1 and schema["maxItems"] == MAX_PARALLEL_CALLS
+    loose, closed = (item["properties"]["arguments"] for item in schema["items"]["anyOf"])
+    assert loose == parameters
+    assert closed["additionalProperties"] is False and closed["required"] == ["city", "days"]
+    assert calls_schema([plain], "required", False)["maxItems"] == 1  # type: ignore[index]
 
 
 def test_the_bitmask_kernel_equals_the_torch_unpacking() -> None:

@@ -15,6 +15,8 @@ from live_server import LiveServer
 from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
+from ppserve.server.tool_calls import MAX_PARALLEL_CALLS
+
 pytestmark = pytest.mark.slow
 
 
@@ -113,6 +115,21 @@ def test_tool_call_round_trip_with_tool_choice_required(client: OpenAI, server: 
         model=server.model, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=30
     )
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_required_parallel_calls_end(server: LiveServer, seed: int) -> None:
+    """tool_choice "required" with parallel calls allowed, sampled: the array of calls closes by
+    MAX_PARALLEL_CALLS (each call here is bounded: a short string and an enum) within 400 tokens,
+    and the answer is tool calls, never raw text cut at max_tokens."""
+    code, body = _chat(
+        server, tools=[WEATHER], tool_choice="required", max_tokens=400, temperature=0.9, seed=seed,
+        messages=[{"role": "user", "content": "Weather in Lyon, Paris and Nice?"}],
+    )  # fmt: skip
+    assert code == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert 1 <= len(choice["message"]["tool_calls"]) <= MAX_PARALLEL_CALLS
 
 
 def test_named_tool_choice_and_regex_and_choice(server: LiveServer) -> None:
