@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.scheduler.sampling_params import FIELDS, SamplingParams
+from ppserve.server.structured import strict_schema
 
 # Fields without a flag of their own: max_tokens has one in cli.py, whose default is the model's
 # rather than SamplingParams'; stop token ids are for programs (which use the API), a person at a
@@ -43,6 +44,11 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     constraint.add_argument("--choice", action="append", help="output exactly one of these texts (repeatable)")
     constraint.add_argument("--grammar", help="output text of this EBNF/Lark grammar (@FILE reads one)")
     parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --json-schema: OpenAI's strict mode (every object closed, all its properties required)",
+    )
+    parser.add_argument(
         "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", help="add BIAS to TOKEN's logit (repeatable)"
     )
 
@@ -66,13 +72,16 @@ def constraint_flag(args: argparse.Namespace) -> str | None:
 def _grammar(args: argparse.Namespace) -> str | None:
     """The grammar text that the constraint flags ask for (ValueError naming the flag if invalid)."""
     given = _given(args)
+    if getattr(args, "strict", False) and (given is None or given[0] != "json_schema"):
+        raise ValueError("--strict applies to --json-schema")
     if given is None:
         return None
     from ppserve.engine.model.grammar import build_grammar  # (torch: not for --help or a bad flag)
 
     name, kind, read = given
     try:
-        return build_grammar(kind, read(getattr(args, name)))
+        spec = read(getattr(args, name))
+        return build_grammar(kind, strict_schema(spec) if args.strict else spec)
     except (ValueError, OSError) as e:
         raise ValueError(f"{constraint_flag(args)}: {e}") from None
 

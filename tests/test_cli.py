@@ -22,6 +22,7 @@ from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.cli import build_parser, main
 from ppserve.server.cli_sampling import sampling_params
+from ppserve.server.structured import strict_schema
 
 RAY = ["--executor", "ray"]
 CLUSTER_AT = ["--dist-init-addr", "127.0.0.1:29999"]
@@ -113,6 +114,7 @@ def test_constraint_flags_give_their_grammars(tmp_path: Path) -> None:
         (["--regex", "[0-9]+"], build_grammar("regex", "[0-9]+")),
         (["--choice", "yes", "--choice", "no"], build_grammar("choice", ["yes", "no"])),
         (["--grammar", f"@{tmp_path / 'g.lark'}"], build_grammar("grammar", 'start: "a" | "b"')),
+        (["--json-schema", json.dumps(schema), "--strict"], build_grammar("json", strict_schema(schema))),
         ([], None),
     ]
     for flags, grammar in cases:
@@ -120,6 +122,10 @@ def test_constraint_flags_give_their_grammars(tmp_path: Path) -> None:
         assert sampling_params(args, 8).grammar == grammar, flags
     args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--logit-bias", "7=-1.5"])
     assert sampling_params(args, 8).logit_bias == ((7, -1.5),)
+    assert build_grammar("json", strict_schema(schema)) != build_grammar("json", schema)  # it closes the object
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--regex", "a", "--strict"])
+    with pytest.raises(ValueError, match="--strict applies to --json-schema"):
+        sampling_params(args, 8)
 
 
 def test_generate_constrained(llama_dir: Path) -> None:
