@@ -187,6 +187,7 @@ class Heartbeat(Msg, frozen=True):
     # About once a second: per MoE layer of the stage, tokens per expert since its process started
     # (engine/runtime/expert_load.py).
     expert_tokens: dict[int, list[int]] = {}
+    pid: int = 0  # the stage's process: a replaced stage's counts start from zero
 
 
 class Reset(Msg, frozen=True):

@@ -39,12 +39,20 @@ class ExpertLoad:
         self.slices = list(slices)
         self.base = {layer: [0] * n for layer, n in self.experts.items()}  # replaced processes' counts
         self.last: dict[int, list[int]] = {}  # each layer's last report, as its process counts
+        self.processes: dict[int, int] = {}  # each stage's process (its pid) as last reported
         # Each layer's (time, tokens per expert since the engine started), the window's and one before.
         self.history: dict[int, deque[tuple[float, list[int]]]] = {layer: deque() for layer in self.experts}
         self._warned = False
 
-    def report(self, stage: int, now: float, counts: Mapping[int, Sequence[int]]) -> None:
-        """A stage's counts (layer -> tokens per expert since its process started) at `now`."""
+    def report(self, stage: int, now: float, counts: Mapping[int, Sequence[int]], process: int = 0) -> None:
+        """A stage's counts (layer -> tokens per expert since its process started) at `now`, from
+        its process `process`: another process than the stage's last (a replacement) counts from
+        zero, so the old one's last counts join the totals' base."""
+        if self.processes.setdefault(stage, process) != process:
+            self.processes[stage] = process
+            for layer in self.slices[stage]:
+                if (old := self.last.pop(layer, None)) is not None:
+                    self.base[layer] = [b + o for b, o in zip(self.base[layer], old, strict=True)]
         for layer, tokens in counts.items():
             n = self.experts.get(layer)
             if n is None or layer not in self.slices[stage] or len(tokens) != n or min(tokens, default=0) < 0:
@@ -53,8 +61,8 @@ class ExpertLoad:
                     log.warning("stage %d reported expert loads that do not fit the model (layer %d)", stage, layer)
                 continue
             last = self.last.get(layer)
-            if last is not None and any(t < old for t, old in zip(tokens, last, strict=True)):
-                self.base[layer] = [b + old for b, old in zip(self.base[layer], last, strict=True)]  # a new process
+            if last is not None and any(t < old for t, old in zip(tokens, last, strict=True)):  # (no process id)
+                self.base[layer] = [b + old for b, old in zip(self.base[layer], last, strict=True)]
             self.last[layer] = list(tokens)
             history = self.history[layer]
             history.append((now, [b + t for b, t in zip(self.base[layer], tokens, strict=True)]))

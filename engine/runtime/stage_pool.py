@@ -360,7 +360,7 @@ class StagePool:
             if stage is not None:
                 self.last_seen[stage] = time.monotonic()
             if isinstance(msg, Heartbeat) and msg.expert_tokens:
-                self.expert_load.report(msg.stage, time.monotonic(), msg.expert_tokens)
+                self.expert_load.report(msg.stage, time.monotonic(), msg.expert_tokens, msg.pid)
             if isinstance(msg, (StageReady, ResetDone)) or (isinstance(msg, StageFailed) and self._handshaking):
                 self._handshakes.put_nowait(msg)
             elif isinstance(msg, StageFailed) and self._owns(msg.stage, msg.pid):

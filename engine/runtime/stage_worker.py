@@ -432,7 +432,7 @@ class StageWorker:
                 os._exit(1)
             beats += 1
             tokens = self._expert_tokens() if beats % EXPERT_REPORT_BEATS == 0 else {}
-            await self.inbox.send(Heartbeat(self.stage, tokens))
+            await self.inbox.send(Heartbeat(self.stage, tokens, os.getpid()))
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _fail(self, error: str) -> None:
