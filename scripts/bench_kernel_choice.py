@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_record import write_result  # noqa: E402
 
 from ppserve.engine.model import cpu_kernels, kernel_choice  # noqa: E402
+from ppserve.engine.model.amx import amx  # noqa: E402
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser  # noqa: E402
 from ppserve.engine.model.linear import chosen_kernels  # noqa: E402
 
@@ -49,7 +50,7 @@ def main() -> None:
         return times
 
     kernel_choice.time_kernels = recording
-    report: dict[str, Any] = {"rows": list(ROWS), "library": cpu_kernels.library_name(), "amx": cpu_kernels.amx()}
+    report: dict[str, Any] = {"rows": list(ROWS), "library": cpu_kernels.library_name(), "amx": amx()}
     models: dict[str, Any] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ from helpers import random_prompt
 
 from ppserve import SamplingParams
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.model import cpu_kernels, kernel_choice
+from ppserve.engine.model import amx, cpu_kernels, kernel_choice
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser, bucket, choose, time_kernels
 from ppserve.engine.model.linear import KERNELS, Linear, candidates
 from ppserve.engine.model.model import DecoderLayer
@@ -198,19 +198,19 @@ def test_amx_refused_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
         asked.append(1)
         return 1  # EPERM
 
-    monkeypatch.setattr(cpu_kernels, "_request_tiles", refuse)
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx512f amx_bf16 amx_tile amx_int8")
-    cpu_kernels.amx.cache_clear()
+    monkeypatch.setattr(amx, "_request_tiles", refuse)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t\t: avx512f amx_bf16 amx_tile amx_int8")
+    amx.amx.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert not cpu_kernels.amx() and not cpu_kernels.amx()
+        with caplog.at_level(logging.WARNING, logger=amx.__name__):
+            assert not amx.amx() and not amx.amx()
         assert asked == [1] and len(caplog.records) == 1 and "refused" in caplog.records[0].getMessage()
-        monkeypatch.setattr(cpu_kernels, "_request_tiles", lambda: 0)
-        cpu_kernels.amx.cache_clear()
-        assert cpu_kernels.amx()
-        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma")
-        monkeypatch.setattr(cpu_kernels, "_request_tiles", lambda: pytest.fail("asked"))
-        cpu_kernels.amx.cache_clear()
-        assert not cpu_kernels.amx()
+        monkeypatch.setattr(amx, "_request_tiles", lambda: 0)
+        amx.amx.cache_clear()
+        assert amx.amx()
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t\t: avx2 fma")
+        monkeypatch.setattr(amx, "_request_tiles", lambda: pytest.fail("asked"))
+        amx.amx.cache_clear()
+        assert not amx.amx()
     finally:
-        cpu_kernels.amx.cache_clear()
+        amx.amx.cache_clear()

@@ -108,10 +108,10 @@ def test_unknown_or_unrunnable_variant_builds_native_with_one_warning(
     caplog.set_level(logging.WARNING, logger=cpu_kernels.__name__)
     assert cpu_kernels._variant("avx9") == cpu_kernels._variant("avx9") == "native"
     assert len(caplog.records) == 1 and "avx9" in caplog.records[0].getMessage()
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx")  # an x86 CPU of 2011
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx")  # an x86 CPU of 2011
     assert not cpu_kernels.can_run("avx2") and cpu_kernels.can_run("scalar")
     assert cpu_kernels._variant("avx2") == "native" and cpu_kernels._variant("scalar") == "scalar"
     assert "avx2 bmi1" in caplog.records[-1].getMessage() and len(caplog.records) == 2
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "")  # not x86 (or no /proc/cpuinfo)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "")  # not x86 (or no /proc/cpuinfo)
     cpu_kernels._variant.cache_clear()
     assert [cpu_kernels._variant(v) for v in cpu_kernels.ISA_FLAGS] == ["native"] * 3

@@ -158,7 +158,7 @@ class StageKernels(msgspec.Struct, frozen=True):
     """The CPU kernels a stage runs: what its StageReady says, and /debug/pipeline shows."""
 
     isa: str = ""  # the kernel library's build ("native", "avx2", "scalar"; "" without one)
-    amx: bool = False  # the AMX tiles are there and this stage may use them (cpu_kernels.amx)
+    amx: bool = False  # the AMX tiles are there and this stage may use them (engine/model/amx.py)
     # Each float linear shape's kernel per row count of `rows` (engine/model/kernel_choice.py).
     rows: list[int] = []
     linears: dict[str, list[str]] = {}

@@ -120,7 +120,7 @@ ISA_NEEDS = {
 }
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -130,36 +130,9 @@ def _cpu_flags() -> str:
     return ""
 
 
-# Linux (5.16 on) grants a process the AMX tiles' state only on request: arch_prctl(2)'s
-# ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, before the first tile instruction.
-_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
-
-
-def _request_tiles() -> int:
-    """arch_prctl's answer to the request for the tiles' state: 0, or the errno of its refusal."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    return 0 if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0 else ctypes.get_errno()
-
-
-@functools.cache  # one request, and one warning, a process
-def amx() -> bool:
-    """Whether this process can use the AMX tiles (oneDNN's bfloat16 and int8 kernels do, where the
-    kernel chooser picks them): the CPU has them and Linux grants their state. Where it refuses
-    (an old kernel, a seccomp policy), oneDNN runs its AVX-512 code instead: one warning says so."""
-    if "amx_tile" not in _cpu_flags().split():
-        return False
-    if error := _request_tiles():
-        log.warning(
-            "this CPU has AMX, but Linux refused this process its tile state (arch_prctl: %s): oneDNN's "
-            "bfloat16 and int8 kernels run without it", os.strerror(error),
-        )  # fmt: skip
-        return False
-    return True
-
-
 def can_run(variant: str) -> bool:
     """Whether this CPU runs the code of `variant` (a key of ISA_FLAGS)."""
-    return ISA_NEEDS[variant] <= set(_cpu_flags().split())
+    return ISA_NEEDS[variant] <= set(cpu_flags().split())
 
 
 @functools.cache  # one warning per value, however often the library is loaded again
@@ -170,7 +143,7 @@ def _variant(requested: str) -> str:
         log.warning("%s=%r is none of %s: building the CPU kernels native", ISA_ENV, requested, ", ".join(ISA_FLAGS))
         return "native"
     if not can_run(requested):
-        missing = " ".join(sorted(ISA_NEEDS[requested] - set(_cpu_flags().split())))
+        missing = " ".join(sorted(ISA_NEEDS[requested] - set(cpu_flags().split())))
         log.warning("%s=%s needs CPU flags this CPU lacks (%s): building native", ISA_ENV, requested, missing)
         return "native"
     return requested
@@ -224,7 +197,7 @@ def _load(cache: str, variant: str) -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         texts = [f.read_text() for f in (*SOURCES, HEADER)]
-        key = hashlib.sha256(" ".join([*texts, version, _cpu_flags(), variant, *cmd]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(" ".join([*texts, version, cpu_flags(), variant, *cmd]).encode()).hexdigest()[:16]
         lib = Path(cache) / "kernels" / f"cpu_kernels-{variant}-{key}.so"
         if not lib.exists():
             log.info("building the CPU kernels for this machine (once, about half a minute): %s", lib.name)

@@ -155,9 +155,10 @@ class Linear(nn.Module):
         self.kernel = self.kernels[0]  # a decode step's, at one row
         self.gemm = self.by_bucket[0].gemm
         self.silu = any(layout.silu for layout in made.values())
+        self.one_kernel = len(made) == 1  # the usual case: no row count to look at
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.by_bucket[bucket(x.shape[0]) if len(self.layouts) > 1 else 0]
+        layout = self.by_bucket[0] if self.one_kernel else self.by_bucket[bucket(x.shape[0])]
         y = layout(x)
         return cpu_kernels.silu_mul(y) if self.silu and not layout.silu else y
 

@@ -17,6 +17,7 @@ import torch
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model.amx import amx
 from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, padded_tables
 from ppserve.engine.model.cache_dir import cache_dir
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser
@@ -52,9 +53,7 @@ class StageRunner:
         model.fuse(config.torch_dtype, self.device, config.quantization == "int8", chooser)
         self.model = model.eval()
         linears = {} if chooser is None else {shape: list(ks) for shape, ks in chooser.chosen.items()}
-        self.kernels = StageKernels(
-            cpu_kernels.isa() or "", cpu_kernels.amx(), list(ROWS), linears
-        )  # StageReady says it
+        self.kernels = StageKernels(cpu_kernels.isa() or "", amx(), list(ROWS), linears)  # StageReady says it
         if chooser is not None and chooser.chosen:
             log.info("stage %d: %s", stage, chooser.report())
         self.gather_buffers = GatherBuffers()
