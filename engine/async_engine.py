@@ -209,6 +209,7 @@ class AsyncEngine:
         hold_kv: bool = False,
         cache_salt: str | None = None,
         client: Hashable | None = None,
+        pool: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError for bad input, EngineDeadError if the
         engine cannot serve (also mid-stream), EngineOverloadedError if the queue is full.
@@ -222,8 +223,12 @@ class AsyncEngine:
         cached prompt prefixes (a tenant's own); it changes no output.
 
         `client`: who sent it (an API key's tenant, a connection), which may hold at most
-        `max_requests_per_client` requests at once (ClientLimitError past it). None: not counted."""
+        `max_requests_per_client` requests at once (ClientLimitError past it). None: not counted.
+
+        `pool`: an embedding (see `embed`) rather than generated tokens."""
         params = params or SamplingParams()
+        if pool and (prefill is not None or hold_kv or params.prompt_logprobs is not None):
+            raise ValueError("an embedding is computed here, with no prompt logprobs")
         grammar_cost = await self.check_grammar(params.grammar) if params.grammar else 0
         if isinstance(prompt, str):
             ids = await self.tokenizer.encode_async(prompt, self.config.max_model_len)
@@ -235,7 +240,7 @@ class AsyncEngine:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         request = self._request(rid, ids, params, cache_salt)
-        request.hold_kv = hold_kv
+        request.hold_kv, request.pool = hold_kv, pool
         request.grammar_cost = grammar_cost
         stream = _Stream(request, self.tokenizer.detokenizer(ids))
         if prefill is None:
@@ -259,6 +264,23 @@ class AsyncEngine:
             self._shares.give(client)
             if not request.finished:
                 self.abort(rid)
+
+    async def embed(
+        self,
+        prompt: str | Sequence[int],
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        client: Hashable | None = None,
+    ) -> RequestOutput:
+        """The prompt's embedding (`RequestOutput.embedding`, None if the request was aborted):
+        its last token's hidden state after the model's final norm, L2-normalized. It runs
+        through the pipeline as any prefill does (chunked, prefix-cached), with nothing sampled.
+        Raises as `generate` does."""
+        async for out in self.generate(prompt, None, request_id, cache_salt=cache_salt, client=client, pool=True):
+            if out.finished:
+                return out
+        raise AssertionError("a request's outputs end with a finished one")
 
     async def _prefill_remotely(self, stream: _Stream, prefill: str) -> None:
         if not isinstance(self.rooms, DecodeRooms):
@@ -364,8 +386,11 @@ class AsyncEngine:
     def emit(self, outputs: Outputs, result: StepResult) -> None:
         """The core's output sink: each sampled token to its request's stream."""
         for request, sample in outputs:
-            stream = self._streams.get(request.request_id)
-            if stream is not None:
+            if (stream := self._streams.get(request.request_id)) is None:
+                continue
+            if sample is None:  # an embedding, which ended its request
+                stream.queue.put_nowait(self._output(stream, "", [], []))
+            else:
                 self._emit(stream, sample)
         self._progress.set()
 
@@ -424,6 +449,7 @@ class AsyncEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt,
             error=r.error,
+            embedding=r.embedding,
         )
 
     # ---- failures -------------------------------------------------------------------------

@@ -114,7 +114,7 @@ class OfflineEngine:
 
     def emit(self, outputs: Outputs, result: StepResult) -> None:
         for request, sample in outputs:
-            if (samples := self._samples.get(request.request_id)) is not None:
+            if sample is not None and (samples := self._samples.get(request.request_id)) is not None:
                 samples.append(sample)
         self._check_done()
 

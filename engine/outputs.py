@@ -32,6 +32,7 @@ class RequestOutput:
     # the top N at that position.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str = ""  # why, when finish_reason is "error" (the output's grammar stopped)
+    embedding: list[float] | None = None  # an embedding request's (AsyncEngine.embed), once finished
 
 
 def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None] | None:

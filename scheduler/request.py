@@ -64,6 +64,10 @@ class Request:
     # Prompt logprobs collected so far: entry i scores prompt token i + 1. They survive
     # preemption, so a recomputed prompt only scores the tokens still missing.
     prompt_scores: list[TokenScore] = field(default_factory=list)
+    # An embedding request: its prompt's last row is pooled (StepPlan.pooled), nothing is sampled,
+    # and it ends with `embedding` set.
+    pool: bool = False
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -359,10 +359,14 @@ class Scheduler:
         chunks: list[SeqChunk] = []
         new: list[NewRequest] = []
         targets: list[PromptTargets] = []
+        pooled: list[int] = []
         for r, n in items:
             start = r.num_scheduled_tokens
             follows = start == r.num_tokens  # planned ahead: its token is being sampled
             sample = follows or start + n == r.num_tokens
+            if r.pool and sample:  # an embedding: the prompt's last row is pooled, not sampled
+                pooled.append(len(chunks))
+                sample = False
             if r.params.prompt_logprobs is not None and (t := _prompt_targets(r, len(chunks), start, n)):
                 targets.append(t)
             # Only the blocks the stages do not hold yet: a plan grows with new tokens, not context.
@@ -381,14 +385,15 @@ class Scheduler:
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
         self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
-        plan = StepPlan(mb_id, chunks, new, self._released, targets, self._preempted)
+        plan = StepPlan(mb_id, chunks, new, self._released, targets, self._preempted, pooled)
         self._released, self._preempted = [], []
         return plan
 
     # ---- results in -----------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> list[tuple[Request, Sampled]]:
-        """Apply a finished micro-batch; returns each live request's new token (finished ones included).
+    def update(self, result: StepResult) -> list[tuple[Request, Sampled | None]]:
+        """Apply a finished micro-batch; returns each live request's new token (finished ones
+        included), or None for an embedding request that it ended.
         A result for a micro-batch that is not in flight (voided by `reset_pipeline` or `fail_all`)
         is dropped."""
         record = self.inflight.pop(result.mb_id, None)
@@ -405,7 +410,12 @@ class Scheduler:
         for p in result.prompt_logprobs:  # before the samples: they may finish the request
             if (req := self.requests.get(p.request_id)) is not None and not req.finished:
                 req.add_prompt_scores(p.start, p.logprobs, p.top_logprobs)
-        out: list[tuple[Request, Sampled]] = []
+        out: list[tuple[Request, Sampled | None]] = []
+        for v in result.pooled:  # embeddings: each ends its request, with nothing sampled
+            if (req := self.requests.get(v.request_id)) is not None and not req.finished:
+                req.embedding, req.finish_reason = v.vector, FinishReason.STOP
+                self._finish(req)
+                out.append((req, None))
         for s in result.samples:
             req = self.requests.get(s.request_id)
             if req is None or req.finished:

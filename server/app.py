@@ -189,8 +189,10 @@ class ServerState:
         pending: int = 0,
         cache_salt: str | None = None,
         client: Hashable | None = None,
+        pool: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Check the request now (so errors come before any response is sent), then stream it.
+        """Check the request now (so errors come before any response is sent), then stream it
+        (`pool`: an embedding, AsyncEngine.embed's).
         `pending`: streams of the same HTTP request submitted before this one (not queued yet).
         `cache_salt`: the engine's (`cache_salt` above), not the client's. `client`: `client_of`
         the HTTP request, whose share of the queue it counts against."""
@@ -202,8 +204,10 @@ class ServerState:
             raise ApiError(400, message, "prompt") from None
         except (EngineOverloadedError, EngineDeadError, ClientLimitError) as e:
             raise as_api_error(e) from None
-        prefill = PREFILL_AT.get()
-        stream = engine.generate(prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt, client=client)
+        prefill = None if pool else PREFILL_AT.get()  # an embedding is computed here, never prefilled elsewhere
+        stream = engine.generate(
+            prompt_ids, params, request_id, prefill=prefill, cache_salt=cache_salt, client=client, pool=pool
+        )
         return self.metrics.track(stream)
 
     async def check_grammar(self, params: SamplingParams, field_name: str = "structured_outputs") -> None:
@@ -258,7 +262,7 @@ def client_key(options: ServerOptions, tenant: Tenant | None, connection: object
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from ppserve.server import native_api, openai_api, openapi, playground, tokenizer_api
+    from ppserve.server import embeddings_api, native_api, openai_api, openapi, playground, tokenizer_api
 
     options = options or ServerOptions()
     quiet_client_errors()
@@ -291,6 +295,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     openai_api.add_routes(app)
     native_api.add_routes(app)
     tokenizer_api.add_routes(app)
+    embeddings_api.add_routes(app)
     openapi.add_routes(app)
     playground.add_routes(app, page=options.playground)
     return app

@@ -26,6 +26,7 @@ from ppserve.server.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     GenerateRequest,
     TokenizeRequest,
     WsMessage,
@@ -37,6 +38,7 @@ from ppserve.server.responses import (
     Completion,
     CompletionChunk,
     Detokenized,
+    EmbeddingList,
     ErrorResponse,
     FlushCacheResult,
     GenerateChunk,
@@ -153,6 +155,15 @@ def _paths() -> dict[str, Any]:
                 "Answer a conversation, rendered with the model's chat template (OpenAI-compatible)",
                 {"200": _json_or_sse("ChatCompletion", "ChatCompletionChunk", "n choices"), **generation_errors},
                 body="ChatRequest",
+            )
+        },
+        "/v1/embeddings": {
+            "post": _op(
+                "createEmbedding",
+                "openai",
+                "Embed inputs: the last token's final hidden state, L2-normalized (OpenAI-compatible)",
+                {"200": _json("EmbeddingList", "a vector per input"), **generation_errors},
+                body="EmbeddingRequest",
             )
         },
         "/v1/models": {
@@ -381,11 +392,12 @@ def _limits(limits: RequestLimits) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _components(limits: RequestLimits) -> dict[str, Any]:
     requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest]
+    requests += [EmbeddingRequest]
     responses: list[Any] = [
         ErrorResponse,
         *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
         *(GenerateResult, GenerateChunk, Health, FlushCacheResult, ChromeTrace, PipelineView),
-        *(TokenizerInfo, Tokenized, Detokenized, ModelCard, Version),
+        *(TokenizerInfo, Tokenized, Detokenized, ModelCard, Version, EmbeddingList),
     ]
     (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
         [*requests, *responses, WsMessage, WsEvent], ref_template=REF
@@ -393,7 +405,7 @@ def _components(limits: RequestLimits) -> dict[str, Any]:
     schemas["WsMessage"] = ws_message  # the unions have no name of their own
     schemas["WsEvent"] = ws_event
     bodies = ["CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth"]
-    bodies += ["TokenizeRequest", "DetokenizeRequest"]
+    bodies += ["TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest"]
     ranges = _limits(limits)
     for name in (*bodies, "NativeSampling"):
         for field, prop in schemas[name]["properties"].items():

@@ -234,22 +234,37 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field's four OpenAI forms, as a list of text or token-id prompts."""
-        p = self.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and _is_ids(p)):
-            prompts: list[str | list[int]] = [p]
-        elif isinstance(p, list) and p and all(isinstance(t, str) or _is_ids(t) for t in p):
-            prompts = list(p)
-        else:
-            raise ApiError(
-                400, "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt"
-            )
-        if any(len(x) == 0 for x in prompts):
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        for ids in prompts:
-            if isinstance(ids, list):
-                _check_ids(ids, "prompt")
-        return prompts
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(p: Any, field: str) -> list[str | list[int]]:
+    """A prompt field's four OpenAI forms (a string, a list of strings, a list of token ids, or a
+    list of those), as a list of text or token-id prompts."""
+    if isinstance(p, str) or (isinstance(p, list) and p and _is_ids(p)):
+        prompts: list[str | list[int]] = [p]
+    elif isinstance(p, list) and p and all(isinstance(t, str) or _is_ids(t) for t in p):
+        prompts = list(p)
+    else:
+        raise ApiError(
+            400, f"{field} must be a string, a list of strings, a list of token ids, or a list of those", field
+        )
+    if any(len(x) == 0 for x in prompts):
+        raise ApiError(400, f"{field} must not be empty", field)
+    for ids in prompts:
+        if isinstance(ids, list):
+            _check_ids(ids, field)
+    return prompts
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/embeddings (server/embeddings_api.py)."""
+
+    input: Any  # str | list[str] | list[int] | list[list[int]]: checked by `prompt_list`
+    model: ShortText | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: ShortText | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -422,7 +437,7 @@ def _check_ids(ids: list[int], field: str) -> None:
     """Token ids fit int32 (the vocabulary check comes later, in the engine). min and max scan
     at C speed: a 16 MiB body holds millions of ids."""
     if min(ids) < 0 or max(ids) > MAX_INT32:
-        raise ApiError(400, f"prompt token ids must be in [0, {MAX_INT32}]", field)
+        raise ApiError(400, f"{field} token ids must be in [0, {MAX_INT32}]", field)
 
 
 def _is_ids(value: object) -> bool:

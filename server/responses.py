@@ -152,6 +152,24 @@ class ModelList(msgspec.Struct):
     data: list[ModelCard]
 
 
+class EmbeddingData(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class NativeUsage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int

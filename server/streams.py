@@ -38,6 +38,7 @@ class Collected:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (in the first output)
+    embedding: list[float] | None = None  # an embedding request's, at its end
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
@@ -49,6 +50,7 @@ class Collected:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.embedding = out.embedding
 
 
 async def collect(streams: Sequence[Stream]) -> list[Collected]:

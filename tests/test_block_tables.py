@@ -212,8 +212,8 @@ def _run(runners: list[StageRunner], sampler: Sampler, plan: StepPlan) -> StepRe
     for runner in runners:
         out = runner.execute_plan(plan, out, prompt_rows=prompt_rows(plan))
     assert out is not None
-    samples, scores = last_stage_outputs(sampler, plan, out)
-    return StepResult(plan.mb_id, samples, [], scores)
+    samples, scores, pooled = last_stage_outputs(sampler, plan, out, runners[-1].pooled)
+    return StepResult(plan.mb_id, samples, [], scores, pooled)
 
 
 def _serve(config: EngineConfig, reset_at: int | None) -> tuple[dict[str, list[int]], int]:

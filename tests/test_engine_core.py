@@ -44,6 +44,7 @@ class Sink:
 
     def emit(self, outputs: Outputs, result: StepResult) -> None:
         for r, s in outputs:
+            assert s is not None, "no embeddings here"
             self.tokens.setdefault(r.request_id, []).append(s.token_id)
 
 

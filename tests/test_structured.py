@@ -230,8 +230,8 @@ def test_masks_started_ahead_steer_sampling_as_masks_computed_late(
                 p[2].result()
         batches = {id(p[2]): p[2] for p in ahead._prepared.values() if p[3] >= 0}.values()  # not first masks
         logits = torch.randn(len(live), vocab, generator=noise) * 4
-        got, _ = last_stage_outputs(ahead, plan, logits.clone())
-        expected, _ = last_stage_outputs(late, plan, logits)
+        got, _, _ = last_stage_outputs(ahead, plan, logits.clone(), torch.empty(0))
+        expected, _, _ = last_stage_outputs(late, plan, logits, torch.empty(0))
         gate.set()
         assert got == expected, step
         assert all(f.cancelled() == (grammar_thread == "held back") for f in batches), step

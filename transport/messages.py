@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 11  # 11: SeqChunk.window_blocks
+PROTOCOL_VERSION = 12  # 12: StepPlan.pooled, StepResult.pooled (embeddings)
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -114,6 +114,9 @@ class StepPlan(Msg, frozen=True):
     # they hold only live ones (a preempted request comes back with a `new_table` chunk); the
     # last stage keeps their sampling state.
     preempted: list[str] = []
+    # Chunks (indices in `chunks`) that end an embedding request's prompt: the last stage returns
+    # their last row's final hidden state (`Pooled`) instead of sampling from it.
+    pooled: list[int] = []
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):
@@ -131,6 +134,14 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
     # Non-empty: no token could be sampled, because the request's grammar stopped (a limit of the
     # grammar engine, or a dead end); the request ends with this error, `token_id` means nothing.
     error: str = ""
+
+
+class Pooled(msgspec.Struct, frozen=True, array_like=True):
+    """An embedding request's vector: its prompt's last token's hidden state after the model's
+    final norm, L2-normalized, in float32 (as floats: exact on the wire)."""
+
+    request_id: str
+    vector: list[float]
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -152,6 +163,7 @@ class StepResult(Msg, frozen=True):
     samples: list[Sampled]
     timings: list[Timing]
     prompt_logprobs: list[PromptLogprobs] = []
+    pooled: list[Pooled] = []  # for the plan's `pooled` chunks
 
 
 class StageKernels(msgspec.Struct, frozen=True):

@@ -383,3 +383,10 @@ class StageModel(nn.Module):
         """hidden: [n, hidden] rows to sample from -> float32 logits [n, vocab]."""
         assert self.head is not None and self.model.norm is not None, "logits only on the last stage"
         return self.head(self.model.norm.add_and_norm(hidden.contiguous(), None)).float()
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] last rows of embedding prompts -> float32 [n, hidden]: after the
+        final norm (transformers' last_hidden_state), L2-normalized."""
+        assert self.model.norm is not None, "pooling only on the last stage"
+        normed = self.model.norm.add_and_norm(hidden.contiguous(), None).float()
+        return torch.nn.functional.normalize(normed, dim=-1)

@@ -20,7 +20,7 @@ from ppserve.scheduler.request import Request
 from ppserve.scheduler.scheduler import Scheduler
 from ppserve.transport.messages import Sampled, StepPlan, StepResult
 
-Outputs = list[tuple[Request, Sampled]]
+Outputs = list[tuple[Request, Sampled | None]]  # None: an embedding ended the request
 
 
 class Executor(Protocol):

@@ -59,8 +59,8 @@ class InProcessExecutor:
         for runner in self.runners:
             logits = runner.execute_plan(plan, logits, prompt_rows=rows)
         assert logits is not None
-        samples, prompt_logprobs = last_stage_outputs(self.sampler, plan, logits)
-        return StepResult(plan.mb_id, samples, [], prompt_logprobs)
+        samples, prompt_logprobs, pooled = last_stage_outputs(self.sampler, plan, logits, self.runners[-1].pooled)
+        return StepResult(plan.mb_id, samples, [], prompt_logprobs, pooled)
 
     def submit(self, plan: StepPlan) -> None:
         self._plans.append(plan)

@@ -1,5 +1,5 @@
 """The last stage's work on a plan: sampling (its sampler: `make_sampler`), and prompt logprobs
-where a plan asks for them.
+and embeddings (pooled rows) where a plan asks for them.
 
 Prompt logprobs are computed chunk by chunk, like any prefill: in a chunk covering positions
 [s, s + n), logits row j predicts the token at s + j + 1. The plan's `PromptTargets` name those
@@ -17,7 +17,7 @@ import torch
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.grammar import Grammars
 from ppserve.engine.model.sampler import Sampler
-from ppserve.transport.messages import PromptLogprobs, Sampled, StepPlan
+from ppserve.transport.messages import Pooled, PromptLogprobs, Sampled, StepPlan
 
 SLICE_ROWS = 64  # rows scored at a time
 
@@ -38,10 +38,11 @@ def prompt_rows(plan: StepPlan) -> list[int]:
 
 
 def last_stage_outputs(
-    sampler: Sampler, plan: StepPlan, logits: torch.Tensor
-) -> tuple[list[Sampled], list[PromptLogprobs]]:
+    sampler: Sampler, plan: StepPlan, logits: torch.Tensor, pooled: torch.Tensor
+) -> tuple[list[Sampled], list[PromptLogprobs], list[Pooled]]:
     """logits: float32 [num_sampled + len(prompt_rows(plan)), vocab], as `StageRunner.execute`
-    returns them given `prompt_rows(plan)`: one row per sampling chunk, then the prompt rows."""
+    returns them given `prompt_rows(plan)`: one row per sampling chunk, then the prompt rows.
+    pooled: [len(plan.pooled), hidden], the runner's `pooled` rows (embeddings)."""
     # Released requests have nothing in flight any more; drop them first, since a new
     # request in this very plan may reuse an id.
     for rid in plan.released:
@@ -54,9 +55,10 @@ def last_stage_outputs(
         Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs), s.error)
         for rid, s in zip(ids, sampler.sample(ids, sampled), strict=True)
     ]
+    vectors = [Pooled(plan.chunks[i].request_id, v) for i, v in zip(plan.pooled, pooled.tolist(), strict=True)]
     if not plan.prompt_targets:
-        return samples, []
-    return samples, score_prompts(sampler, plan, logits[len(ids) :])
+        return samples, [], vectors
+    return samples, score_prompts(sampler, plan, logits[len(ids) :]), vectors
 
 
 def score_prompts(sampler: Sampler, plan: StepPlan, logits: torch.Tensor) -> list[PromptLogprobs]:

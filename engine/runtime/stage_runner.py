@@ -9,6 +9,7 @@ each request's table between plans), and `execute` runs chunks that carry whole 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,9 @@ class StageRunner:
         # A model with sliding-window layers: their blocks' tables (engine/model/kv_cache.py).
         self.window_tables = BlockTables(windowed=True) if config.kv_window is not None else None
         self.tokens_computed = 0  # rows through this stage's layers, since start (metrics, tests)
+        # The last stage's pooled rows of the last plan (StepPlan.pooled), in its order: `execute`
+        # returns logits alone, and the embeddings of a plan are few.
+        self.pooled = torch.empty(0)
         windows = [mc.sliding_windows[i] for i in self.layers]
         flags = windowed_layers(windows, config.kv_window)
         # The windows each group's metadata makes masks for: (the full group's, the windowed group's).
@@ -90,7 +94,9 @@ class StageRunner:
         self.tables.apply(plan)
         if self.window_tables is not None:
             self.window_tables.apply(plan)
-        return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows, tables=self.tables)
+        ends = list(itertools.accumulate(c.num_new for c in plan.chunks))
+        pool_rows = [ends[i] - 1 for i in plan.pooled]
+        return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows, tables=self.tables, pool_rows=pool_rows)
 
     def clear_tables(self) -> None:
         """Forget every request's table: the plans so far are void (the pipeline was reset)."""
@@ -106,6 +112,7 @@ class StageRunner:
         all_logits: bool = False,
         prompt_rows: Sequence[int] = (),
         tables: BlockTables | None = None,
+        pool_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run one micro-batch through this stage. `tables`: where the chunks' requests' block
         tables are (`execute_plan` passes the kept ones, and the windowed group's are kept beside
@@ -115,7 +122,8 @@ class StageRunner:
         from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
         or, on the last stage, float32 logits [num_sampled + len(prompt_rows), vocab]: the last row
         of each chunk with `sample`, in order, then `prompt_rows` (rows of the micro-batch, for
-        prompt logprobs); `all_logits`: every row, [num_tokens, vocab].
+        prompt logprobs); `all_logits`: every row, [num_tokens, vocab]. The last stage leaves the
+        pooled `pool_rows` (embeddings) in `self.pooled`.
         """
         device = self.device
         ids = [c.request_id for c in chunks]
@@ -143,6 +151,9 @@ class StageRunner:
         self.tokens_computed += h.shape[0]
         if not self.last:
             return h
+        self.pooled = torch.empty(0)
+        if pool_rows:
+            self.pooled = self.model.pool(h[torch.tensor(pool_rows, dtype=torch.long, device=device)])
         if all_logits:
             return self.model.compute_logits(h)
         # Only the last new token of each sampled chunk needs logits.

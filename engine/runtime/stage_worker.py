@@ -54,6 +54,7 @@ from ppserve.transport.messages import (
     KvExpect,
     KvExport,
     KvForget,
+    Pooled,
     PromptLogprobs,
     Reset,
     ResetDone,
@@ -74,7 +75,7 @@ log = logging.getLogger("ppserve.stage")
 HEARTBEAT_S = 0.2
 EXPERT_REPORT_BEATS = 5  # a MoE model's expert loads go with every fifth heartbeat (once a second)
 Received = tuple[StepPlan, "EdgeHeader | None", "torch.Tensor | None"]
-Results = tuple[list[Sampled], list[PromptLogprobs]]  # the last stage's: samples, prompt logprobs
+Results = tuple[list[Sampled], list[PromptLogprobs], list[Pooled]]  # the last stage's outputs
 Computed = tuple["torch.Tensor | Results", "Span"]  # a plan's output, and when it computed
 Output = tuple[StepPlan, list[Timing], "asyncio.Future[Computed]"]
 QUEUE_DEPTH = 2  # plans received before their turn, and plans handed to the compute thread (their outputs)
@@ -398,7 +399,7 @@ class StageWorker:
             return out, events
         plan = self.sampler.follow(plan)  # the tokens of steps planned ahead: sampled by the plan before
         logits = self.runner.execute_plan(plan, hidden, prompt_rows=prompt_rows(plan))
-        results = last_stage_outputs(self.sampler, plan, logits)
+        results = last_stage_outputs(self.sampler, plan, logits, self.runner.pooled)
         if events is not None:
             events[1].record()  # after sampling, which is part of this stage's time
         return results, events
@@ -419,8 +420,8 @@ class StageWorker:
                 ready = span.events[1] if span.events is not None else None
                 await self.outbound.send(EdgeHeader(plan.mb_id, timings), out, ready)
             else:
-                samples, prompt_logprobs = out
-                await self.inbox.send(StepResult(plan.mb_id, samples, timings, prompt_logprobs))
+                samples, prompt_logprobs, pooled = out
+                await self.inbox.send(StepResult(plan.mb_id, samples, timings, prompt_logprobs, pooled))
 
     async def _heartbeat(self) -> None:
         beats = 0

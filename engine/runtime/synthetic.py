@@ -46,6 +46,7 @@ class SyntheticRunner:
         self.token = config.model_config.vocab_size - 1
         self.kernels = StageKernels()  # it runs none
         self.tokens_computed = 0
+        self.pooled = torch.empty(0)
 
     def expert_tokens(self) -> dict[int, list[int]]:
         return {}  # no experts
@@ -53,7 +54,11 @@ class SyntheticRunner:
     def execute_plan(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, prompt_rows: Sequence[int] = ()
     ) -> torch.Tensor:
-        return self.execute(plan.chunks, hidden, prompt_rows=prompt_rows)  # no KV: no tables to keep
+        out = self.execute(plan.chunks, hidden, prompt_rows=prompt_rows)  # no KV: no tables to keep
+        if self.last:  # embeddings: a constant unit vector
+            self.pooled = torch.zeros((len(plan.pooled), self.config.model_config.hidden_size))
+            self.pooled[:, 0] = 1.0
+        return out
 
     def clear_tables(self) -> None:
         pass
