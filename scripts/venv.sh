@@ -14,8 +14,10 @@ fi
 if [ ! -x .venv/bin/python ]; then
   echo "ppserve: first run: creating .venv and installing $target with PyTorch (CPU) and its other dependencies (a minute or two)" >&2
   python3 -m venv .venv
-else
+elif [ -f "$stamp" ]; then
   echo "ppserve: installing $target into .venv (pyproject.toml changed since the last install)" >&2
+else
+  echo "ppserve: installing $target into .venv (first use of ${extras:+the $extras extra}${extras:-ppserve alone})" >&2
 fi
 .venv/bin/python -m pip install --disable-pip-version-check -e ".${extras:+[$extras]}"
 echo "$want" >"$stamp"

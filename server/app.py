@@ -262,7 +262,15 @@ def client_key(options: ServerOptions, tenant: Tenant | None, connection: object
 
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
-    from ppserve.server import embeddings_api, native_api, openai_api, openapi, playground, tokenizer_api
+    from ppserve.server import (
+        embeddings_api,
+        native_api,
+        openai_api,
+        openai_responses,
+        openapi,
+        playground,
+        tokenizer_api,
+    )
 
     options = options or ServerOptions()
     quiet_client_errors()
@@ -296,6 +304,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     native_api.add_routes(app)
     tokenizer_api.add_routes(app)
     embeddings_api.add_routes(app)
+    openai_responses.add_routes(app)
     openapi.add_routes(app)
     playground.add_routes(app, page=options.playground)
     return app

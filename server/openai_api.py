@@ -251,12 +251,15 @@ def _echo_logprobs(tokenizer: Tokenizer, ids: list[int], prompt: list[TokenLogpr
 # ---- /v1/chat/completions -----------------------------------------------------------------
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, body, salt = await _read(request, ChatRequest)
+async def start_chat(
+    request: web.Request, body: ChatRequest, rid: str, salt: str | None
+) -> tuple[list[int], list[Stream]]:
+    """A checked chat request's prompt (the chat template's rendering, tools included) and its n
+    streams: how /v1/chat/completions runs, and the Responses and Messages APIs through it."""
+    state = request.app[STATE]
     tokenizer = state.ready.tokenizer
     state.check_count(body.n, "n")
-    mode = body.tool_mode
-    tools = body.tools if mode else None  # tool_choice "none": the model is not told of them
+    tools = body.tools if body.tool_mode else None  # tool_choice "none": the model is not told of them
     messages, template_tools = tool_calls.chat_prompt(body.chat_messages(), tools, tokenizer.hf.chat_template)
     ids = await tokens.encode_chat(
         tokenizer, messages, body.add_generation_prompt, state.config.max_model_len, template_tools
@@ -265,8 +268,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.sampling_params(state.max_tokens(ids, requested, field_name), body.num_logprobs)
     await state.check_grammar(params, _constraint_field(body))
+    return ids, _choices(request, ids, params, body.n, rid, 0, salt)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, body, salt = await _read(request, ChatRequest)
+    tokenizer = state.ready.tokenizer
+    mode = body.tool_mode
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = _choices(request, ids, params, body.n, rid, 0, salt)
+    ids, streams = await start_chat(request, body, rid, salt)
     base = _header(state, rid, "chat.completion")
 
     def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:

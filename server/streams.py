@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,10 +126,17 @@ def as_api_error(e: BaseException) -> BaseException:
     return e
 
 
-async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
+async def sse_response(
+    request: web.Request,
+    events: AsyncGenerator[dict[str, Any], None],
+    error_event: Callable[[ApiError], dict[str, Any]] | None = None,
+) -> web.StreamResponse:
     """Send `events` as server-sent events (`data: <json>`), then `data: [DONE]`. Once the 200 has
     gone out an error can only be one more event; closing `events` (always, even when the client
-    is gone) aborts whatever requests it was streaming."""
+    is gone) aborts whatever requests it was streaming.
+
+    `error_event`: typed events instead (the Responses and Messages APIs'): each is sent as
+    `event: <its type>` and `data: <json>`, an error as `error_event(error)`, and no `[DONE]`."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
@@ -138,7 +145,7 @@ async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, An
     try:
         async with aclosing(events):
             async for event in events:
-                await response.write(b"data: " + _json.encode(event) + b"\n\n")
+                await response.write(_sse(event, error_event is not None))
     except ApiError as e:
         error = e
     except CLIENT_GONE:
@@ -151,9 +158,15 @@ async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, An
         error = ApiError(500, "internal server error")
     try:
         if error is not None:
-            await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+            await response.write(_sse(error_event(error), True) if error_event else _sse(error.body(), False))
+        if error_event is None:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except CLIENT_GONE:
         log.info("client went away at the end of the stream of %s", request.path)
     return response
+
+
+def _sse(event: dict[str, Any], named: bool) -> bytes:
+    head = b"event: " + event["type"].encode() + b"\n" if named else b""
+    return head + b"data: " + _json.encode(event) + b"\n\n"
