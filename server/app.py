@@ -35,7 +35,7 @@ from ppserve.server.connections import CONNECTIONS, ConnectionGuard, connection_
 from ppserve.server.limits import RequestLimits
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.protocol import RETRY_AFTER_S, ApiError
-from ppserve.server.security import bearer_token, browser_checks
+from ppserve.server.security import api_key, bearer_token, browser_checks
 from ppserve.server.streams import as_api_error
 from ppserve.server.tenants import PrefixCacheScope, Tenant, Tenants
 from ppserve.transport.cluster_key import route_proof_matches
@@ -263,6 +263,7 @@ def client_key(options: ServerOptions, tenant: Tenant | None, connection: object
 
 def create_app(config: EngineConfig, options: ServerOptions | None = None) -> web.Application:
     from ppserve.server import (
+        anthropic_api,
         embeddings_api,
         native_api,
         openai_api,
@@ -305,6 +306,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> we
     tokenizer_api.add_routes(app)
     embeddings_api.add_routes(app)
     openai_responses.add_routes(app)
+    anthropic_api.add_routes(app)
     openapi.add_routes(app)
     playground.add_routes(app, page=options.playground)
     return app
@@ -369,9 +371,9 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         given = bearer_token(request.headers.get("Authorization", ""))
         request[ADMIN] = hmac.compare_digest(given, admin.encode("utf-8", "surrogatepass"))
     if not (open_path or request.get(ADMIN) or _browser_websocket(request)):
-        tenant = state.tenants.match(bearer_token(request.headers.get("Authorization", "")))
+        tenant = state.tenants.match(api_key(request.headers))
         if tenant is None:
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
         request[TENANT] = tenant
     prefill = request.headers.get(PREFILL_HEADER)
     if prefill is None:

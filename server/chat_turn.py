@@ -42,6 +42,7 @@ class Turn:
     body: ChatRequest
     stream: Stream
     tokenizer: Tokenizer
+    prompt_tokens: int
 
     @classmethod
     async def start(cls, request: web.Request, body: ChatRequest, rid: str) -> Turn:
@@ -51,8 +52,8 @@ class Turn:
         check_limits(body, state.options.limits)
         state.check_model(body.model)
         salt = state.cache_salt(request.get(TENANT), body.cache_salt)
-        _, streams = await start_chat(request, body, rid, salt)
-        return cls(body, streams[0], state.ready.tokenizer)
+        ids, streams = await start_chat(request, body, rid, salt)
+        return cls(body, streams[0], state.ready.tokenizer, len(ids))
 
     async def reply(self) -> Reply:
         async with aclosing(self.deltas()) as items:

@@ -19,8 +19,10 @@ from aiohttp import web
 
 from ppserve.engine.model.grammar import MAX_CHOICES
 from ppserve.scheduler.sampling_params import FIELDS, MAX_LOGIT_BIAS
+from ppserve.server.anthropic_api import MessagesRequest
 from ppserve.server.app import STATE
 from ppserve.server.limits import RequestLimits
+from ppserve.server.openai_responses import ResponsesRequest
 from ppserve.server.protocol import (
     MAX_N,
     ChatRequest,
@@ -32,6 +34,7 @@ from ppserve.server.protocol import (
     WsMessage,
 )
 from ppserve.server.responses import (
+    AnthropicMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChromeTrace,
@@ -47,8 +50,10 @@ from ppserve.server.responses import (
     ModelCard,
     ModelList,
     PipelineView,
+    ResponseObject,
     Tokenized,
     TokenizerInfo,
+    TypedEvent,
     Version,
     WsEvent,
 )
@@ -80,6 +85,27 @@ def _json_or_sse(name: str, chunk: str, description: str) -> dict[str, Any]:
             "type": "object",
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
             "required": ["data"],
+        }
+    }
+    return response
+
+
+def _json_or_events(name: str, description: str) -> dict[str, Any]:
+    """A 200 that is JSON, or typed server-sent events (`event: <type>`, `data: <TypedEvent>`, no
+    [DONE]) when the request says `stream: true`: the Responses and Messages APIs' streams."""
+    response = _json(name, description)
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": REF.format(name="TypedEvent")},
+    }
+    response["content"]["text/event-stream"] = {
+        "schema": {
+            "description": "one server-sent event per step, named by its type; an error after the 200 went out is "
+            "one more event, of type `error`",
+            "type": "object",
+            "properties": {"event": {"type": "string"}, "data": data},
+            "required": ["event", "data"],
         }
     }
     return response
@@ -155,6 +181,24 @@ def _paths() -> dict[str, Any]:
                 "Answer a conversation, rendered with the model's chat template (OpenAI-compatible)",
                 {"200": _json_or_sse("ChatCompletion", "ChatCompletionChunk", "n choices"), **generation_errors},
                 body="ChatRequest",
+            )
+        },
+        "/v1/responses": {
+            "post": _op(
+                "createResponse",
+                "openai",
+                "One assistant turn through OpenAI's Responses API (stateless: nothing is stored)",
+                {"200": _json_or_events("ResponseObject", "the response"), **generation_errors},
+                body="ResponsesRequest",
+            )
+        },
+        "/v1/messages": {
+            "post": _op(
+                "createMessage",
+                "anthropic",
+                "One assistant turn through Anthropic's Messages API (the key as x-api-key or a bearer token)",
+                {"200": _json_or_events("AnthropicMessage", "the message"), **generation_errors},
+                body="MessagesRequest",
             )
         },
         "/v1/embeddings": {
@@ -392,12 +436,13 @@ def _limits(limits: RequestLimits) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _components(limits: RequestLimits) -> dict[str, Any]:
     requests: list[Any] = [CompletionRequest, ChatRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest]
-    requests += [EmbeddingRequest]
+    requests += [EmbeddingRequest, ResponsesRequest, MessagesRequest]
     responses: list[Any] = [
         ErrorResponse,
         *(Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ModelList),
         *(GenerateResult, GenerateChunk, Health, FlushCacheResult, ChromeTrace, PipelineView),
         *(TokenizerInfo, Tokenized, Detokenized, ModelCard, Version, EmbeddingList),
+        *(ResponseObject, AnthropicMessage, TypedEvent),
     ]
     (*_, ws_message, ws_event), schemas = msgspec.json.schema_components(
         [*requests, *responses, WsMessage, WsEvent], ref_template=REF
@@ -405,7 +450,7 @@ def _components(limits: RequestLimits) -> dict[str, Any]:
     schemas["WsMessage"] = ws_message  # the unions have no name of their own
     schemas["WsEvent"] = ws_event
     bodies = ["CompletionRequest", "ChatRequest", "GenerateRequest", "WsGenerate", "WsChat", "WsCancel", "WsAuth"]
-    bodies += ["TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest"]
+    bodies += ["TokenizeRequest", "DetokenizeRequest", "EmbeddingRequest", "ResponsesRequest", "MessagesRequest"]
     ranges = _limits(limits)
     for name in (*bodies, "NativeSampling"):
         for field, prop in schemas[name]["properties"].items():

@@ -170,6 +170,39 @@ class EmbeddingList(msgspec.Struct):
     usage: EmbeddingUsage
 
 
+class ResponseObject(msgspec.Struct):
+    """POST /v1/responses (OpenAI's Responses API); `output` holds one message or the function calls."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    output_text: str
+    usage: dict[str, Any] | None
+
+
+class AnthropicMessage(msgspec.Struct):
+    """POST /v1/messages (Anthropic's Messages API); `content` holds text or tool_use blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TypedEvent(msgspec.Struct):
+    """One event of a Responses or Messages stream, sent as `event: <type>` then `data: <json>`;
+    its other fields are those of its type in the API it belongs to."""
+
+    type: str
+
+
 class NativeUsage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int

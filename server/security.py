@@ -15,7 +15,7 @@ browser connects to loopback for the page. Three doors, three checks:
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -89,6 +89,14 @@ def bearer_token(header: str) -> bytes:
     if scheme.lower() != "bearer":
         return b""
     return token.strip().encode("utf-8", "surrogatepass")
+
+
+def api_key(headers: Mapping[str, str]) -> bytes:
+    """The API key a request carries: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`
+    header (what its clients send) when there is no bearer token."""
+    return bearer_token(headers.get("Authorization", "")) or headers.get("x-api-key", "").strip().encode(
+        "utf-8", "surrogatepass"
+    )
 
 
 def browser_checks(bound_host: str | None, allowed_origins: tuple[str, ...]) -> Middleware:

@@ -63,26 +63,31 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
         return "json", strict_schema(schema) if self.json_schema.strict else schema
 
 
-def strict_schema(schema: Any) -> Any:
+def strict_schema(schema: Any, require_all: bool = True) -> Any:
     """`schema` under OpenAI's strict mode (which refuses a schema that breaks its rules; this
     applies them instead): every object has only the properties it lists (`additionalProperties:
     false` where the schema says nothing) and all of them (`required`: every property). A copy;
-    depth is bounded by the schema's size limit and msgspec's decoding depth."""
+    depth is bounded by the schema's size limit and msgspec's decoding depth.
+
+    `require_all` False: only close the objects that list their properties, which narrows what
+    the schema accepts (anything it gives still validates against `schema`) without requiring
+    more. A tool's arguments are decoded so: a small model, free to add keys, copies the schema's
+    own keywords into its arguments until max_tokens."""
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [strict_schema(s, require_all) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
-            out[key] = {name: strict_schema(v) for name, v in value.items()}
+            out[key] = {name: strict_schema(v, require_all) for name, v in value.items()}
         elif key in _DATA:  # values, not schemas
             out[key] = value
         else:
-            out[key] = strict_schema(value)
-    if out.get("type") == "object" or "properties" in out:
+            out[key] = strict_schema(value, require_all)
+    if (require_all and out.get("type") == "object") or "properties" in out:
         out.setdefault("additionalProperties", False)
-        if isinstance(out.get("properties"), dict):
+        if require_all and isinstance(out.get("properties"), dict):
             out["required"] = list(out["properties"])
     return out
 

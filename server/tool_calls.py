@@ -93,7 +93,8 @@ def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[
     """The JSON schema decoding is constrained to: a non-empty array of calls, for "required" and a
     named function (then exactly one call of it); None for "auto" and "none". Parallel calls are at
     most MAX_PARALLEL_CALLS, so that the array closes (a model may repeat a call until max_tokens);
-    a tool with `strict` gets arguments under OpenAI's strict mode (structured.strict_schema)."""
+    a tool with `strict` gets arguments under OpenAI's strict mode, any other tool its arguments'
+    objects closed to the properties they list (structured.strict_schema)."""
     if choice in ("auto", "none"):
         return None
     chosen = [t for t in tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
@@ -120,7 +121,7 @@ def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[
 
 def _arguments(function: FunctionDef) -> dict[str, Any]:
     schema = function.parameters or {"type": "object", "properties": {}}
-    return strict_schema(schema) if function.strict else schema
+    return strict_schema(schema, require_all=bool(function.strict))
 
 
 def template_takes_tools(chat_template: str | None) -> bool:
