@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,44 @@ def test_required_parallel_calls_end(server: LiveServer, seed: int) -> None:
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
     assert 1 <= len(choice["message"]["tool_calls"]) <= MAX_PARALLEL_CALLS
+
+
+CITY: Any = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
+ZONE: Any = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}}}
+OPEN_TOOLS: Any = [  # schemas that allow more keys than they list, as most clients write them
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now", "parameters": CITY}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": ZONE}},
+]
+QUESTIONS = [
+    f"{q} {place}?"
+    for q in ("What is the weather in", "What time is it in", "Should I take an umbrella in", "Is it night in")
+    for place in ("Paris", "Tokyo", "Lima", "Oslo", "Cairo")
+]
+
+
+def test_required_tool_calls_end_on_twenty_prompts(server: LiveServer) -> None:
+    """tool_choice "required" with two tools whose schemas are open, parallel calls allowed: every
+    one of 20 prompts ends with tool calls (never text cut at max_tokens), each naming a tool and
+    giving only the keys its schema lists (a small model copies the schema's own keywords in
+    when it may); and under strict, every listed key."""
+    bodies = [
+        {"messages": [{"role": "user", "content": q}], "tools": OPEN_TOOLS, "tool_choice": "required",
+         "max_tokens": 400, "temperature": 0}
+        for q in QUESTIONS
+    ]  # fmt: skip
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in OPEN_TOOLS]
+    bodies += [{**b, "tools": strict} for b in bodies[:4]]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: _chat(server, **b), bodies))
+    listed = {t["function"]["name"]: set(t["function"]["parameters"]["properties"]) for t in OPEN_TOOLS}
+    for body, (code, answer) in zip(bodies, answers, strict=True):
+        assert code == 200, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        for call in choice["message"]["tool_calls"]:
+            keys = set(json.loads(call["function"]["arguments"]))
+            allowed = listed[call["function"]["name"]]
+            assert keys == allowed if body["tools"] is strict else keys <= allowed, (body, call)
 
 
 def test_named_tool_choice_and_regex_and_choice(server: LiveServer) -> None:
