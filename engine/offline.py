@@ -11,12 +11,15 @@ must agree with (tests, benchmarks, batch jobs).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.runtime.core import EngineCore, Outputs
 from ppserve.engine.runtime.executors import InProcessExecutor
 from ppserve.engine.runtime.timeline import Timeline
@@ -32,6 +35,10 @@ class Generation:
     token_ids: list[int]
     finish_reason: FinishReason
     samples: list[Sampled]  # per generated token, with logprobs when asked for
+    text: str | None = None  # the tokens' text, for a prompt given as text
+
+
+Prompt = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
 
 
 class OfflineEngine:
@@ -49,7 +56,16 @@ class OfflineEngine:
     def allocator(self) -> BlockAllocator:
         return self.scheduler.allocator
 
-    def request(self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, loaded when a prompt first comes as text."""
+        return Tokenizer(self.config.model)
+
+    def request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        elif any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise TypeError(f"a prompt is text or a list of token ids, not {type(prompt).__name__} of {prompt[:3]!r}")
         mc = self.config.model_config
         if params.grammar:
             self.executor.sampler.grammars.check(params.grammar)  # ValueError: llguidance's reason
@@ -58,9 +74,12 @@ class OfflineEngine:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Generation]:
-        """Every prompt to the end (synchronous)."""
+        """Every prompt to the end (synchronous). `prompts`: one prompt (text, or a list of token
+        ids), or a list of them; a generation per prompt, in order."""
+        one = isinstance(prompts, str) or (bool(prompts) and all(isinstance(t, int) for t in prompts))
+        prompts = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -68,8 +87,13 @@ class OfflineEngine:
         requests = [self.request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         samples = self.run(requests)
         return [
-            Generation(r.output_token_ids, r.finish_reason or FinishReason.ABORT, samples[r.request_id])
-            for r in requests
+            Generation(
+                r.output_token_ids,
+                r.finish_reason or FinishReason.ABORT,
+                samples[r.request_id],
+                self.tokenizer.decode(r.output_token_ids) if isinstance(p, str) else None,
+            )
+            for p, r in zip(prompts, requests, strict=True)
         ]
 
     def run(self, requests: Sequence[Request]) -> dict[str, list[Sampled]]:

@@ -145,3 +145,19 @@ def test_a_failed_step_planned_past_the_end_leaves_the_engine_clean(
     out = pipe.generate([PROMPT], params)[0]
     assert out.token_ids == free_run[: free_run.index(stop) + 1] and out.finish_reason == FinishReason.STOP
     assert pipe.allocator.num_free == pipe.allocator.num_blocks
+
+
+def test_offline_prompts_as_text_or_token_ids(llama_dir: Path) -> None:
+    """One prompt or a list; text is tokenized with the model's tokenizer (and the output comes
+    back as text too); anything else is a TypeError that says what a prompt is."""
+    pipe = pipeline(llama_dir)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = pipe.tokenizer.encode("a pipeline stage")
+    by_text = pipe.generate("a pipeline stage", params)
+    both: list[str | list[int]] = [ids, "a pipeline stage"]
+    by_ids = pipe.generate(both, params)
+    assert len(by_text) == 1 and by_text[0].token_ids == by_ids[0].token_ids == by_ids[1].token_ids
+    assert by_text[0].text == pipe.tokenizer.decode(by_text[0].token_ids) and by_ids[0].text is None
+    assert pipe.generate(ids, params)[0].token_ids == by_ids[0].token_ids  # one prompt of token ids
+    with pytest.raises(TypeError, match="text or a list of token ids"):
+        pipe.generate([[1.5, 2]], params)  # type: ignore[arg-type]
