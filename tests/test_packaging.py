@@ -109,3 +109,30 @@ def test_console_script_generate_beside_shadowing_modules(fresh_python: Path, ap
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
+
+
+def test_venv_script_says_why_it_installs(tmp_path: Path) -> None:
+    """scripts/venv.sh installs again when pyproject.toml changed, and says so; a first use of
+    another extra is said as such, not as a change (pip is a stand-in that records its calls)."""
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "venv.sh").write_bytes((root / "scripts" / "venv.sh").read_bytes())
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n')
+    python.chmod(0o755)
+
+    def run(extra: str) -> str:
+        done = subprocess.run(
+            ["bash", "scripts/venv.sh", extra], cwd=tmp_path, capture_output=True, text=True, check=True
+        )
+        return done.stderr
+
+    assert "pyproject.toml changed" not in run("test")
+    assert run("test") == ""  # installed, nothing changed: nothing to do
+    first = run("client")
+    assert "first use of the client extra" in first and "changed" not in first
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'y'\n")
+    assert "pyproject.toml changed since the last install" in run("test")
+    assert len((python.parent / "calls").read_text().splitlines()) == 3
