@@ -299,6 +299,7 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
     """Start the engine and the HTTP server, print the URL, serve until SIGINT or SIGTERM."""
     from aiohttp import web
 
+    from ppserve.server.access_log import TrafficLogger
     from ppserve.server.app import STATE, create_app, shut_down
     from ppserve.server.connections import GuardedSite
 
@@ -309,7 +310,10 @@ async def _serve_until_stopped(config: EngineConfig, options: ServerOptions, soc
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # After the drain (shut_down, below), handlers get a moment to write their last events.
     runner = web.AppRunner(
-        create_app(config, options), handler_cancellation=True, shutdown_timeout=options.shutdown_timeout_s + 5.0
+        create_app(config, options),
+        handler_cancellation=True,
+        shutdown_timeout=options.shutdown_timeout_s + 5.0,
+        access_log_class=TrafficLogger,
     )
     try:
         # The stages load here; a Ctrl-C meanwhile stops the start-up (and kills the stages).

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from ppserve.server import playground
+from ppserve.server.access_log import TrafficLogger
 from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, ServerOptions, json_errors
 from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
 from ppserve.server.connections import CONNECTIONS, ConnectionGuard, GuardedSite, connection_limits, read_body
@@ -38,7 +40,8 @@ log = logging.getLogger("ppserve.router")
 CHECK_S = 1.0
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # between two reads of a decode server's answer (a non-streaming one comes at the end)
-ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate")
+# Everything that computes goes to a decode server (an embedding is computed there whole).
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages", "/v1/embeddings")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
 
 
@@ -106,7 +109,8 @@ ROUTER = web.AppKey("router", Router)
 async def route(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     decode, prefill = router.pick("decode"), router.pick("prefill")
-    headers = {k: v for k, v in request.headers.items() if k in ("Content-Type", "Authorization", "Accept")}
+    passed = ("Content-Type", "Authorization", "x-api-key", "Accept")
+    headers = {k: v for k, v in request.headers.items() if k.lower() in {p.lower() for p in passed}}
     headers.update(router.prefill_headers(prefill))
     body = await request.read()
     assert router.session is not None
@@ -183,13 +187,19 @@ async def _pump(
             await dst.send_bytes(msg.data)
 
 
-async def models(request: web.Request) -> web.StreamResponse:
+async def from_decode(request: web.Request) -> web.StreamResponse:
+    """A GET answered by a decode server: /v1/models, and the playground's /debug/pipeline (the
+    pipeline of the server that requests go to now)."""
     router = request.app[ROUTER]
     decode = router.pick("decode")
     assert router.session is not None
     auth = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
-    async with router.session.get(decode.url + "/v1/models", headers=auth) as upstream:
-        return web.Response(body=await upstream.read(), status=upstream.status, content_type="application/json")
+    url = decode.url + request.path_qs
+    try:
+        async with router.session.get(url, headers=auth, timeout=aiohttp.ClientTimeout(total=10)) as upstream:
+            return web.Response(body=await upstream.read(), status=upstream.status, content_type="application/json")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise ApiError(503, f"decode server {decode.url} failed: {e or type(e).__name__}") from None
 
 
 async def health(request: web.Request) -> web.Response:
@@ -281,8 +291,11 @@ def create_router(
         app.router.add_post(path, route)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models", from_decode)
     app.router.add_get("/ws", websocket)
+    # The playground: the page itself, and what it polls from the decode server it would chat with.
+    app.router.add_get("/", playground.playground)
+    app.router.add_get("/debug/pipeline", from_decode)
     return app
 
 
@@ -293,7 +306,8 @@ async def serve_router(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_router(prefill, decode, key, read_timeout_s), handler_cancellation=True)
+    app = create_router(prefill, decode, key, read_timeout_s)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log_class=TrafficLogger)
     await runner.setup()
     try:
         for sock in sockets:

@@ -166,3 +166,28 @@ def test_websocket_through_the_router(deployment: tuple[LiveServer, LiveServer, 
         return tokens
 
     assert asyncio.run(talk()) == expected.token_ids
+
+
+def test_the_router_serves_the_playground_every_api_and_logs_traffic_only(
+    deployment: tuple[LiveServer, LiveServer, LiveServer],
+) -> None:
+    """GET / is the playground page and /debug/pipeline the decode server's view of its pipeline;
+    embeddings, the Responses and Messages APIs go through (the key as x-api-key too); and the
+    servers' access logs have the traffic, not the router's health check every second."""
+    prefill, decode, router = deployment
+    status, headers, raw = router.request("GET", "/", headers={"Authorization": ""})
+    assert status == 200 and headers["Content-Type"].startswith("text/html") and b"<script>" in raw
+    status, _, raw = router.request("GET", "/debug/pipeline?since=0")
+    assert status == 200 and json.loads(raw)["model"] == "m" and json.loads(raw)["status"] == "ok"
+    assert router.request("GET", "/debug/pipeline?since=nan")[0] == 400  # the decode server's answer
+    status, _, raw = router.request("POST", "/v1/embeddings", {"input": [[5, 6, 7]]})
+    assert status == 200 and len(json.loads(raw)["data"][0]["embedding"]) == 64
+    status, _, raw = router.request("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 3})
+    assert status == 200 and json.loads(raw)["object"] == "response", raw
+    anthropic = {"Authorization": "", "x-api-key": KEY}
+    body = {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    status, _, raw = router.request("POST", "/v1/messages", body, headers=anthropic)
+    assert status == 200 and json.loads(raw)["type"] == "message", raw
+    router.wait_until(lambda: any('"POST /v1/messages' in line for line in decode.output), what="the access line")
+    for server in (prefill, decode, router):  # a failed check would be logged (the router's first ones are)
+        assert not [line for line in server.output if '"GET /health HTTP/1.1" 200' in line]
