@@ -41,6 +41,7 @@ from ppserve.engine.model.gguf_check import KEPT_ARRAYS, GGUFModel, check_model,
 from ppserve.engine.model.gguf_header import GGUFHeader, read_header
 from ppserve.engine.model.gguf_quant import BLOCKS, GGUFWeight, from_blocks
 from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.model.progress import Progress
 
 INFO_FILE = "gguf.json"
 PREPARED_VERSION = "v4"  # bump when what prepare_gguf or read_gguf_tensors writes changes
@@ -112,6 +113,7 @@ def read_gguf_tensors(
     shard_dir = model_dir / str(dtype).removeprefix("torch.")
     source: np.memmap | None = None
     announced = False
+    progress: Progress | None = None
     in_shards: dict[str, list[str]] = defaultdict(list)
     for name in table:
         in_shards[_shard_of(name)].append(name)
@@ -145,9 +147,14 @@ def read_gguf_tensors(
                 flush=True,
             )
             announced = True
+            progress = Progress(f"converting {Path(info['source']).name}", len(todo))
         source = source if source is not None else _map_source(info)
         tensors = {name: _dequantize(source, table[name], dtype, norm_shift(arch, name)) for name in in_shard}
         _save_shard(tensors, path)
+        assert progress is not None
+        progress.step(shard)
+        if progress.done == progress.total:
+            progress.close()
         yield from ((name, tensors[name]) for name in shard_names)
 
 
@@ -196,12 +203,17 @@ def _write_prepared(path: Path, sha: str, out: Path) -> None:
     model = check_model(header)
     # Only now, so that a bad file's error is the one line a user sees.
     print(f"ppserve: preparing {path.name} (once: config, tokenizer and tensor table)", file=sys.stderr, flush=True)
+    progress = Progress(f"preparing {path.name}", 3)
     names = {t.name for t in header.tensors}
     config = _hf_config(model, names)
     generation = {"eos_token_id": sorted(set(model.eos_ids))}
+    progress.step("config")
     table = _tensor_table(header, model)
     del header  # its copy of the vocabulary, while transformers reads its own
-    _save_tokenizer(path, model.arch, out)
+    progress.step("tensor table")
+    _save_tokenizer(path, model.arch, out)  # the slow one: transformers converts the vocabulary
+    progress.step("tokenizer")
+    progress.close()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     info = {"fingerprint": sha, "architecture": model.arch, "tensors": table, **_source_stat(path)}
