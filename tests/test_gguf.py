@@ -61,7 +61,9 @@ def test_f32_gguf_gives_the_checkpoints_logits(
     assert re.search(r"converting \d+ tensor\(s\) \(F32\) in \d+ layer group\(s\) of .* to float32, once", said), said
     # Each slow step is a line where stderr is not a terminal (a log): no start sits silent.
     assert f"preparing {path.name}: tokenizer (3/3)" in said and f"preparing {path.name}: done in" in said
-    assert re.search(rf"converting {path.name}: layer-0 \(\d+/\d+\)", said) and f"converting {path.name}: done in" in said
+    assert (
+        re.search(rf"converting {path.name}: layer-0 \(\d+/\d+\)", said) and f"converting {path.name}: done in" in said
+    )
     prepared = Path(EngineConfig.create(path).model)
     shards = sorted(p.name for p in (prepared / "float32").iterdir())
     assert shards == sorted(["embed.safetensors", "head.safetensors", *(f"layer-{i}.safetensors" for i in range(4))])
