@@ -25,7 +25,7 @@ from ppserve.engine.model.file_hash import file_sha256
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
-TASKS = {
+TASKS: dict[str, dict[str, Any]] = {
     "ppserve_mc": {
         "output_type": "multiple_choice",
         "file": "multiple_choice.jsonl",
