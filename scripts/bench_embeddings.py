@@ -49,7 +49,14 @@ def main() -> None:
         args.rounds = 2
     model = Path(args.model) if args.model else tiny_random_checkpoint() if args.quick else demo_model()
     times: dict[str, list[float]] = {"embeddings": [], "completions": []}
-    server = LiveServer(model, "--pp-size", str(args.pp_size), "--no-enable-prefix-caching", timeout_s=600)
+    flags = [
+        "--pp-size",
+        str(args.pp_size),
+        "--no-enable-prefix-caching",
+        "--max-requests-per-client",
+        str(args.inputs),
+    ]
+    server = LiveServer(model, *flags, timeout_s=600)
     try:
         vocab = json.loads(server.request("GET", "/tokenizer_info")[2])["vocab_size"]
         rng = random.Random(0)
