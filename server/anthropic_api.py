@@ -86,7 +86,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
                 chat[name] = value
         if self.stop_sequences:
             chat["stop"] = self.stop_sequences
-        if self.tools:
+        if self.tools is not None:  # [] too: a 400, as chat answers it
             if bad := [t.type for t in self.tools if t.type not in (None, "custom")]:
                 raise ApiError(400, f"only custom tools are supported, not {bad[0]!r}", "tools")
             chat["tools"] = [_tool(t) for t in self.tools]

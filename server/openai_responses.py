@@ -75,7 +75,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         for name in ("temperature", "top_p", "model"):
             if (value := getattr(self, name)) is not None:
                 chat[name] = value
-        if self.tools:
+        if self.tools is not None:  # [] too: a 400, as chat answers it
             chat["tools"] = [_tool(t) for t in self.tools]
             chat["parallel_tool_calls"] = self.parallel_tool_calls
         if self.tool_choice is not None:

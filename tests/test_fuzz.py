@@ -143,6 +143,9 @@ BASES: dict[str, dict[str, Any]] = {
         "logprobs": True,
     },
     "/generate": {"text": "hi", "sampling_params": {"max_tokens": 2}},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"input": "hi"},
 }
 EDGES: dict[str, list[Any]] = {
     "integer": [-1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30],
