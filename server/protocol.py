@@ -437,7 +437,7 @@ def _check_ids(ids: list[int], field: str) -> None:
     """Token ids fit int32 (the vocabulary check comes later, in the engine). min and max scan
     at C speed: a 16 MiB body holds millions of ids."""
     if min(ids) < 0 or max(ids) > MAX_INT32:
-        raise ApiError(400, f"{field} token ids must be in [0, {MAX_INT32}]", field)
+        raise ApiError(400, f"prompt token ids must be in [0, {MAX_INT32}]", field)
 
 
 def _is_ids(value: object) -> bool:

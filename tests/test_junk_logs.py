@@ -51,7 +51,7 @@ def test_junk_connections_to_the_router_log_a_bounded_number_of_single_lines() -
             _send(router.url, JUNK[i % len(JUNK)])
         windows = 2 + int((time.monotonic() - started) // client_errors.LOG_EVERY_S)  # the junk spans these
         # Everything the router logged about the junk is in `output` once this request's access line is.
-        sentinel = f"/health?sentinel={uuid.uuid4().hex}"
+        sentinel = f"/health?sentinel={uuid.uuid4().hex}"  # logged: no backend is up, so it fails
         router.request("GET", sentinel)
         router.wait_until(lambda: any(sentinel in line for line in router.output[mark:]), what="the log")
     finally:
