@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.transport.messages import PromptTargets
 
 # Longest `cache_salt`: it is hashed once per request, but it also travels (HTTP, RoomOpen).
 MAX_CACHE_SALT_CHARS = 256
@@ -103,6 +104,15 @@ class Request:
         if skip < 0:
             raise ValueError(f"prompt logprobs of {self.request_id!r} from position {start} leave a gap")
         self.prompt_scores += zip(logprobs[skip:], top[skip:], strict=True)
+
+    def prompt_targets(self, index: int, start: int, n: int) -> PromptTargets | None:
+        """What chunk `index` of a plan (tokens [start, start + n)) scores: the row at position p
+        predicts prompt token p + 1, wanted while p + 1 is in the prompt and not scored yet."""
+        first = max(start, len(self.prompt_scores))  # prompt_scores covers tokens 1 .. len
+        end = min(start + n, len(self.prompt_token_ids) - 1)
+        if first >= end:
+            return None
+        return PromptTargets(index, first - start, self.prompt_token_ids[first + 1 : end + 1])
 
     @property
     def finished(self) -> bool:

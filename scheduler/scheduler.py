@@ -367,7 +367,7 @@ class Scheduler:
             if r.pool and sample:  # an embedding: the prompt's last row is pooled, not sampled
                 pooled.append(len(chunks))
                 sample = False
-            if r.params.prompt_logprobs is not None and (t := _prompt_targets(r, len(chunks), start, n)):
+            if r.params.prompt_logprobs is not None and (t := r.prompt_targets(len(chunks), start, n)):
                 targets.append(t)
             # Only the blocks the stages do not hold yet: a plan grows with new tokens, not context.
             fresh, new_blocks = r.num_blocks_sent == 0, r.block_table[r.num_blocks_sent :]
@@ -496,13 +496,3 @@ class Scheduler:
             self._free(r)
         self.kv.flush()
         return ended
-
-
-def _prompt_targets(r: Request, index: int, start: int, n: int) -> PromptTargets | None:
-    """What chunk `index` (r's tokens [start, start + n)) scores: the row at position p predicts
-    prompt token p + 1, wanted while p + 1 is in the prompt and not scored yet."""
-    first = max(start, len(r.prompt_scores))  # prompt_scores covers tokens 1 .. len
-    end = min(start + n, len(r.prompt_token_ids) - 1)
-    if first >= end:
-        return None
-    return PromptTargets(index, first - start, r.prompt_token_ids[first + 1 : end + 1])
