@@ -23,7 +23,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Hashable, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 
 import zmq
@@ -33,8 +32,9 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.decode import DecodeRooms
 from ppserve.engine.disagg.prefill import PrefillRooms
 from ppserve.engine.model.grammar_check import GrammarChecker
-from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from ppserve.engine.outputs import EngineStats, RequestOutput, TokenLogprob, prompt_logprobs
+from ppserve.engine.model.tokenizer import Tokenizer
+from ppserve.engine.outputs import EngineStats, RequestOutput
+from ppserve.engine.request_stream import RequestStream
 from ppserve.engine.runtime.core import EngineCore, Outputs
 from ppserve.engine.runtime.executors import StagePoolExecutor
 from ppserve.engine.runtime.ray_stages import NoRoomError, make_pool
@@ -58,24 +58,12 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (`max_waiting_requests`); try again later."""
 
 
-@dataclass
-class _Stream:
-    request: Request
-    detok: IncrementalDetokenizer
-    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
-    text: str = ""  # all text so far (stop strings are matched here)
-    emitted: int = 0  # characters of `text` already yielded
-    sent_tokens: int = 0
-    pending: list[Sampled] = field(default_factory=list)  # tokens not yet yielded
-    first: bool = True  # no output yielded yet (the first carries the prompt logprobs)
-
-
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model)
         self.scheduler = Scheduler(config.scheduler_config())
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._pool: StagePool | None = None
         self._core: EngineCore | None = None
@@ -242,7 +230,7 @@ class AsyncEngine:
         request = self._request(rid, ids, params, cache_salt)
         request.hold_kv, request.pool = hold_kv, pool
         request.grammar_cost = grammar_cost
-        stream = _Stream(request, self.tokenizer.detokenizer(ids))
+        stream = RequestStream(request, self.tokenizer.detokenizer(ids))
         if prefill is None:
             self.scheduler.add(request)
         self._streams[rid] = stream
@@ -282,13 +270,13 @@ class AsyncEngine:
                 return out
         raise AssertionError("a request's outputs end with a finished one")
 
-    async def _prefill_remotely(self, stream: _Stream, prefill: str) -> None:
+    async def _prefill_remotely(self, stream: RequestStream, prefill: str) -> None:
         if not isinstance(self.rooms, DecodeRooms):
             raise ValueError("prefilling elsewhere needs an engine in disaggregation mode 'decode'")
         first = await self.rooms.prefill_remotely(stream.request, prefill)
         if self.scheduler.activate(stream.request.request_id, first.token_id) is None:
             return  # aborted meanwhile: the stream ends with what abort put in it
-        self._emit(stream, first)
+        self._push(stream, first)
         self._progress.set()
         self.wake()
 
@@ -356,7 +344,7 @@ class AsyncEngine:
             self._progress.set()
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.queue.put_nowait(self._output(stream, "", [], []))
+            stream.end()
 
     def stats(self, window_s: float = 10.0) -> EngineStats:
         s = self.scheduler
@@ -389,68 +377,14 @@ class AsyncEngine:
             if (stream := self._streams.get(request.request_id)) is None:
                 continue
             if sample is None:  # an embedding, which ended its request
-                stream.queue.put_nowait(self._output(stream, "", [], []))
+                stream.end()
             else:
-                self._emit(stream, sample)
+                self._push(stream, sample)
         self._progress.set()
 
-    def _emit(self, stream: _Stream, sample: Sampled) -> None:
-        r, params = stream.request, stream.request.params
-        if sample.error:  # no token came: the request ended with this error
-            log.warning("request %s failed: %s", r.request_id, sample.error)
-            stream.text += stream.detok.flush()
-            text, stream.emitted = stream.text[stream.emitted :], len(stream.text)
-            samples, stream.pending = stream.pending, []
-            stream.queue.put_nowait(self._output(stream, text, [s.token_id for s in samples], samples))
-            return
-        stream.text += stream.detok.push([sample.token_id])
-        if r.finished:
-            stream.text += stream.detok.flush()
-        stream.pending.append(sample)
-        end = len(stream.text)
-        if params.stop:
-            # Stop strings: cut the text at the first match; until the request ends, hold back
-            # a tail that could still grow into one.
-            search_from = max(0, stream.emitted - max(len(s) for s in params.stop) + 1)
-            hits = [i for s in params.stop if (i := stream.text.find(s, search_from)) >= 0]
-            if hits:
-                end = min(hits)
-                self.scheduler.abort(r.request_id, FinishReason.STOP)
-            elif not r.finished:
-                end = max(stream.emitted, end - max(len(s) for s in params.stop) + 1)
-        text = stream.text[stream.emitted : end]
-        stream.emitted = end
-        if not text and not r.finished and params.stop:
-            return  # all held back; the tokens go out with the next output
-        samples, stream.pending = stream.pending, []
-        stream.queue.put_nowait(self._output(stream, text, [s.token_id for s in samples], samples))
-
-    def _output(self, stream: _Stream, text: str, token_ids: list[int], samples: list[Sampled]) -> RequestOutput:
-        r = stream.request
-        logprobs = None
-        if r.params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, tuple((t, lp) for t, lp in s.top_logprobs)) for s in samples
-            ]
-        stream.sent_tokens += len(token_ids)
-        prompt = None
-        if r.params.prompt_logprobs is not None and stream.first:
-            prompt = prompt_logprobs(r.prompt_token_ids, r.prompt_scores)
-        stream.first = False
-        return RequestOutput(
-            request_id=r.request_id,
-            text=text,
-            token_ids=token_ids,
-            finished=r.finished,
-            finish_reason=r.finish_reason.value if r.finish_reason else None,
-            prompt_tokens=len(r.prompt_token_ids),
-            completion_tokens=stream.sent_tokens,
-            cached_tokens=r.num_cached_tokens or 0,
-            logprobs=logprobs,
-            prompt_logprobs=prompt,
-            error=r.error,
-            embedding=r.embedding,
-        )
+    def _push(self, stream: RequestStream, sample: Sampled) -> None:
+        rid = stream.request.request_id
+        stream.push(sample, lambda: self.scheduler.abort(rid, FinishReason.STOP))
 
     # ---- failures -------------------------------------------------------------------------
 
