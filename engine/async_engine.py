@@ -365,6 +365,9 @@ class AsyncEngine:
             prefix_cache_blocks=s.allocator.num_cached,
             prefix_cache_evictions=s.allocator.num_evictions,
             stage_tokens=tuple(self.timeline.stage_tokens),
+            spec_drafts=s.spec.stats.drafts,
+            spec_draft_tokens=s.spec.stats.draft_tokens,
+            spec_accepted_tokens=s.spec.stats.accepted_tokens,
             stage_nodes=self.stage_nodes,
             moe=self._pool.expert_load.layers() if self._pool is not None else (),
         )
@@ -373,18 +376,20 @@ class AsyncEngine:
 
     def emit(self, outputs: Outputs, result: StepResult) -> None:
         """The core's output sink: each sampled token to its request's stream."""
-        for request, sample in outputs:
+        last = {request.request_id: i for i, (request, _) in enumerate(outputs)}  # a step may make several
+        for i, (request, sample) in enumerate(outputs):
             if (stream := self._streams.get(request.request_id)) is None:
                 continue
             if sample is None:  # an embedding, which ended its request
                 stream.end()
             else:
-                self._push(stream, sample)
+                self._push(stream, sample, last[request.request_id] == i)
+
         self._progress.set()
 
-    def _push(self, stream: RequestStream, sample: Sampled) -> None:
+    def _push(self, stream: RequestStream, sample: Sampled, last: bool = True) -> None:
         rid = stream.request.request_id
-        stream.push(sample, lambda: self.scheduler.abort(rid, FinishReason.STOP))
+        stream.push(sample, lambda: self.scheduler.abort(rid, FinishReason.STOP), last)
 
     # ---- failures -------------------------------------------------------------------------
 

@@ -22,10 +22,12 @@ from ppserve.engine.model.kv_cache import kv_bytes_per_block, kv_pools, kv_windo
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.partition import partition_layers
 from ppserve.engine.model.quantized import QUANTIZATIONS
+from ppserve.scheduler.drafter import MODES as SPECULATIVE_MODES
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.scheduler.window_kv import blocks_per_request
 from ppserve.transport.tensor_channel import resolve_kind
 
+MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this a step is a prefill chunk, not a decode
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # The scheduler declares the defaults of its settings; the engine's fields of the same names take
@@ -69,6 +71,10 @@ class EngineConfig:
     dynamic_chunking: bool = _SCHEDULER.dynamic_chunking  # size later chunks from a prefill latency model
     chunk_smooth: float = _SCHEDULER.chunk_smooth  # else env PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR
     enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching
+    # Speculative decoding (scheduler/speculation.py): drafts from the text seen, "off", "ngram" (the
+    # request's own) or "suffix" (and recent requests'); k adapts, and is 0 where drafts do not pay.
+    speculative: str = _SCHEDULER.speculative
+    num_speculative_tokens: int = _SCHEDULER.num_speculative_tokens
     # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
     # + c seconds for the whole model (see engine/runtime/synthetic.py). For studying scheduling at any pp size.
     synthetic_latency: tuple[float, float, float] | None = None
@@ -265,7 +271,8 @@ class EngineConfig:
         """What every node of a cluster must agree on (compared when a node joins)."""
         names = (
             "pp_size layer_ranges dtype quantization device block_size num_kv_blocks num_window_blocks max_model_len "
-            "edge_transports max_batched_tokens async_depth decode_ahead dynamic_chunking synthetic_latency"
+            "edge_transports max_batched_tokens async_depth decode_ahead dynamic_chunking synthetic_latency "
+            "speculative num_speculative_tokens"
         ).split()
         settings = {name: str(getattr(self, name)) for name in names}
         settings["stage_nodes"] = str(self.cluster.stage_nodes if self.cluster else ())
@@ -308,6 +315,12 @@ def _validate(s: dict[str, Any]) -> None:
     latency = s["synthetic_latency"]
     if latency is not None and (len(latency) != 3 or not all(math.isfinite(v) and v >= 0 for v in latency)):
         raise ConfigError(f"synthetic latency needs three finite numbers >= 0 (a, b, c), got {latency}")
+    if s["speculative"] not in SPECULATIVE_MODES:
+        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}; got {s['speculative']!r}")
+    if not 0 <= s["num_speculative_tokens"] <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(
+            f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {s['num_speculative_tokens']}"
+        )
     if s["async_depth"] < 0:
         raise ConfigError(f"async_depth must be >= 0, got {s['async_depth']}")
     if s["threads_per_stage"] < 1:

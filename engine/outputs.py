@@ -33,6 +33,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str = ""  # why, when finish_reason is "error" (the output's grammar stopped)
     embedding: list[float] | None = None  # an embedding request's (AsyncEngine.embed), once finished
+    # Speculative decoding, so far: draft tokens verified, those kept, and the steps that carried them.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_steps: int = 0
 
 
 def prompt_logprobs(prompt_token_ids: Sequence[int], scores: Sequence[TokenScore]) -> list[TokenLogprob | None] | None:
@@ -64,5 +68,10 @@ class EngineStats:
     prefix_cache_blocks: int  # KV blocks holding a findable prefix now (in use or kept for reuse)
     prefix_cache_evictions: int  # cached blocks given to new contents (since start)
     stage_tokens: tuple[int, ...]  # per stage: tokens its layers computed (since start)
+    # Speculative decoding since start (vLLM's spec_decode counters): steps that carried drafts,
+    # draft tokens, and those kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     stage_nodes: tuple[tuple[str, str], ...] = ()  # under Ray, per stage: its node's Ray id and address
     moe: tuple[LayerLoad, ...] = ()  # a mixture of experts' load per MoE layer (engine/runtime/expert_load.py)

@@ -104,6 +104,16 @@ class KvGroups:
         if self.window is not None:
             self.window.grow(r)
 
+    def shrink(self, r: Request, num_tokens: int) -> None:
+        """r's tables cover only `num_tokens` tokens: the blocks past them go back (they were taken
+        for drafts that were rejected, so nothing was registered in them)."""
+        keep = self.full.blocks_for(num_tokens)
+        if len(r.block_table) > keep:
+            self.full.free(r.block_table[keep:])
+            del r.block_table[keep:]
+            if self.window is not None:
+                self.window.shrink(r, keep)
+
     def free(self, r: Request) -> None:
         self.full.free(r.block_table)
         r.block_table.clear()

@@ -96,21 +96,26 @@ class PrefixCache:
         planned ahead writes a token not known yet: `filled_ahead` registers its block."""
         if not self.enabled:
             return
-        first = r.num_scheduled_tokens // self.block_size
-        end = min(r.num_scheduled_tokens + n, r.num_tokens) // self.block_size
-        self._hash_blocks(r, end)
-        for i in range(first, end):
-            self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
-            if self.window is not None:
-                self.window.register(r, i, r.block_hashes[i])
+        self._register(r, r.num_scheduled_tokens // self.block_size, min(r.num_scheduled_tokens + n, r.num_tokens))
 
     def filled_ahead(self, r: Request) -> None:
         """r's newest token is in a block a plan in flight (planned ahead) fills: if that token
         completes it, the block is findable from now on, as `filled` makes the others."""
         bs = self.block_size
         if self.enabled and r.num_tokens % bs == 0 and r.num_scheduled_tokens >= r.num_tokens:
-            i = r.num_tokens // bs - 1
-            self._hash_blocks(r, i + 1)
+            self._register(r, r.num_tokens // bs - 1, r.num_tokens)
+
+    def verified(self, r: Request, known: int) -> None:
+        """r's drafts were kept: blocks completed by tokens computed in its last step, which were
+        not known when it was planned (`known` tokens were), are findable from now on."""
+        if self.enabled:
+            self._register(r, known // self.block_size, r.num_computed_tokens)
+
+    def _register(self, r: Request, first: int, num_tokens: int) -> None:
+        """r's blocks from `first` up to those its first `num_tokens` tokens fill are findable."""
+        end = num_tokens // self.block_size
+        self._hash_blocks(r, end)
+        for i in range(first, end):
             self.allocator.register(r.block_table[i], r.block_hashes[i], r.cache_salt)
             if self.window is not None:
                 self.window.register(r, i, r.block_hashes[i])

@@ -69,6 +69,17 @@ class Request:
     # and it ends with `embedding` set.
     pool: bool = False
     embedding: list[float] | None = None
+    # Speculative decoding (scheduler/speculation.py): the drafts of its step in flight (forced by
+    # its grammar, or guessed), the tokens its grammar forces next, its acceptance counts (fading),
+    # and what it drafted and kept so far (its usage).
+    drafts: list[int] = field(default_factory=list)
+    draft_forced: bool = False
+    forced: list[int] = field(default_factory=list)
+    spec_hits: float = 0.0
+    spec_tries: float = 0.0
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

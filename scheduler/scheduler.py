@@ -32,16 +32,16 @@ Prefix caching (prefix_cache.py): a request starts from its longest cached prefi
 blocks, and skips ahead whenever another request has since filled the blocks it would compute
 next; the blocks a plan fills become findable as it is built.
 
-Block tables: stages keep each request's table, and a plan carries only what changed. A chunk
-carries the blocks its request gained since its previous chunk (`num_blocks_sent` counts what the
-stages hold; a request's table only grows while they hold it), or its whole table marked
-`new_table` when they hold none (its first chunk, or its first since a preemption or a pipeline
-reset); `released` and `preempted` name the requests whose tables the stages drop.
+Block tables: stages keep each request's table, and a plan carries only what changed (the blocks
+gained since the request's previous chunk; `num_blocks_sent` counts what the stages hold), or the
+whole table marked `new_table` when they hold none; `released`, `preempted` and `truncated` say
+which tables they drop or shorten. Prompt logprobs: see Request.prompt_targets.
 
-Prompt logprobs: a request that asks for them computes its whole prompt (none of it is taken
-from the cache, which has no logits). Each of its chunks carries the prompt tokens its rows
-predict (`PromptTargets`), minus those scored already, so a request recomputed after a
-preemption scores every token once.
+Speculative decoding (speculation.py): a request's decode step may carry drafts after its token,
+as many as pay (none while KV is short: drafts take only empty blocks, and never past max_tokens or
+the context). It waits for its token rather than decode ahead to draft. When the step comes back,
+its counts roll back over the drafts that were rejected and the blocks taken only for them go back
+(Speculator.settle); blocks the kept drafts completed become findable in the prefix cache then.
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
+from ppserve.scheduler.handover import Handover
 from ppserve.scheduler.kv_groups import CachedPrefix, KvGroups
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.prefix_cache import PrefixCache
 from ppserve.scheduler.request import FinishReason, Request
+from ppserve.scheduler.speculation import Speculator
 from ppserve.transport.messages import NewRequest, PromptTargets, Sampled, SeqChunk, StepPlan, StepResult
 
 PROMPT_SCORE_CHUNK = 256  # most prompt tokens of a request scored per micro-batch (bounds the logits)
@@ -82,15 +84,18 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # shared prompt prefixes are computed once (block_allocator.py)
     kv_window: int | None = None  # sliding-window layers' KV group (window_kv.py): its window; None: none
     num_window_blocks: int = 0  # ... and its pool
+    speculative: str = "ngram"  # drafts without a model: off | ngram | suffix (drafter.py), k adaptive
+    num_speculative_tokens: int = 8  # drafts per request and step at most
 
 
 @dataclass
 class _InFlight:
     items: list[tuple[Request, int]]  # (request, tokens in this plan)
     prefill: tuple[int, int] | None  # (prefix, tokens) when the plan is one prefill chunk: a latency sample
+    decode_rows: int  # the plan's rows when it is decode steps only (a step-cost sample), else 0
 
 
-class Scheduler:
+class Scheduler(Handover):
     def __init__(self, config: SchedulerConfig) -> None:
         if config.chunked_prefill_size < 1 or config.max_batched_tokens < 1 or config.max_running_requests < 1:
             raise ValueError("chunked_prefill_size, max_batched_tokens and max_running_requests must be >= 1")
@@ -117,6 +122,8 @@ class Scheduler:
             config.chunked_prefill_size, config.chunk_smooth if config.dynamic_chunking else 0.0, config.block_size
         )
         self.latency = LatencyTracker(config.pp_size, config.chunked_prefill_size)
+        self.spec = Speculator(config.speculative, config.num_speculative_tokens)
+        self._truncated: list[tuple[str, int]] = []  # tables the stages shorten (rejected drafts' blocks)
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -142,48 +149,6 @@ class Scheduler:
             self._free(r)  # its KV never arrived: nothing reads or writes the blocks here
             return r
         self._finish(r)
-        return r
-
-    # ---- disaggregation -------------------------------------------------------------------
-
-    def release_held(self, request_id: str) -> bool:
-        """Prefill side: the KV of a finished `hold_kv` request has been sent (or its transfer
-        failed); its blocks are free now. False if there is no such request."""
-        r = self.held.pop(request_id, None)
-        if r is None:
-            return False
-        r.hold_kv = False
-        self._free(r)
-        return True
-
-    def reserve_prefilled(self, request: Request) -> list[int] | None:
-        """Decode side: blocks for a request whose prompt is prefilled elsewhere; the prefill
-        side writes its KV into them. None if the cache cannot hold the prompt now (nothing is
-        preempted for it: the KV may never come). `activate` or `abort` ends the reservation."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        if self.kv.window is not None:  # engine/config.py refuses such a pair at start
-            raise ValueError("the KV of sliding-window layers is not transferred between servers")
-        need = self.allocator.blocks_for(len(request.prompt_token_ids))
-        if need > self.allocator.num_free:
-            return None
-        self.allocator.grow(request.block_table, len(request.prompt_token_ids))
-        self.requests[request.request_id] = request
-        self.receiving[request.request_id] = request
-        return list(request.block_table)
-
-    def activate(self, request_id: str, first_token: int) -> Request | None:
-        """Decode side: the KV is in and the prefill side sampled `first_token`: the request
-        decodes from here as if it had been prefilled here (None if it was aborted meanwhile).
-        It may already be finished (EOS, or max_tokens of 1)."""
-        r = self.receiving.pop(request_id, None)
-        if r is None:
-            return None
-        r.num_computed_tokens = r.num_scheduled_tokens = len(r.prompt_token_ids)
-        if r.append_token(first_token) is not None:
-            self._free(r)
-        else:
-            self.running.append(r)
         return r
 
     @property
@@ -215,6 +180,8 @@ class Scheduler:
         cap = max(1, math.ceil((len(self.running) + admissible) / cfg.pp_size))
         budget = cfg.max_batched_tokens
         items: list[tuple[Request, int]] = []
+        # Speculation's view of the plan: its rows and the tokens they should make (speculation.py).
+        rows = tokens = float(min(cap, len(self.running)))
 
         stalled = False  # a request found no KV blocks in this pass
         for r in list(self.running):
@@ -236,8 +203,13 @@ class Scheduler:
             else:
                 self.cache.skip_cached(r)
                 n = min(self._chunk_size(r), budget)
-            if self._reserve(r, n):
-                budget -= self._take(r, n, items)
+            drafts: list[int] = []
+            if n == 1 and not r.samples_in_flight and not stalled and not self._kv_stalled:
+                drafts, gain = self.spec.drafts(r, self._draft_limit(r, budget), rows, tokens)
+                rows, tokens = rows + len(drafts), tokens + gain
+            if self._reserve(r, n + len(drafts)):
+                r.drafts = drafts
+                budget -= self._take(r, n + len(drafts), items)
             else:
                 stalled = True
         self._kv_stalled = stalled
@@ -286,7 +258,8 @@ class Scheduler:
 
     def _may_go_ahead(self, r: Request) -> bool:
         """Whether r's next decode step may be planned now, before the token it reads (sampled by
-        the plan in flight) is back; the stage fills that token in (see `decode_ahead`)."""
+        the plan in flight) is back; the stage fills that token in (see `decode_ahead`). Not for
+        a request that would rather draft (drafts follow that token)."""
         p = r.params
         return (
             self.ahead
@@ -296,7 +269,18 @@ class Scheduler:
             and not r.hold_kv
             and len(r.output_token_ids) + 1 < p.max_tokens  # the token in flight does not end it
             and r.num_tokens + 1 < r.max_model_len
+            and not self.spec.wants(r, len(self.running))
         )
+
+    def _draft_limit(self, r: Request, budget: int) -> int:
+        """Drafts r's next decode step may carry: within what it may still generate, the plan's
+        token budget, and the KV blocks that are empty (drafts never evict or preempt anyone)."""
+        if r.pool or r.hold_kv:
+            return 0
+        limit = min(budget - 1, r.params.max_tokens - len(r.output_token_ids) - 1, r.max_model_len - r.num_tokens - 1)
+        while limit > 0 and self._needs_blocks(r, 1 + limit):
+            limit -= 1
+        return limit
 
     def _chunk_size(self, r: Request, start: int | None = None) -> int:
         """Tokens r would take next (from `start`, by default what it has scheduled): a decode
@@ -347,6 +331,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """Recompute later: drop r's KV; its tokens so far become the prompt of a fresh prefill."""
         self.num_preemptions += 1
+        r.drafts = []
         self.kv.free(r)
         if r.num_blocks_sent:  # the stages hold a table of blocks that are free now
             self._preempted.append(r.request_id)
@@ -361,9 +346,9 @@ class Scheduler:
         targets: list[PromptTargets] = []
         pooled: list[int] = []
         for r, n in items:
-            start = r.num_scheduled_tokens
+            start, drafts = r.num_scheduled_tokens, r.drafts
             follows = start == r.num_tokens  # planned ahead: its token is being sampled
-            sample = follows or start + n == r.num_tokens
+            sample = follows or start + n - len(drafts) == r.num_tokens
             if r.pool and sample:  # an embedding: the prompt's last row is pooled, not sampled
                 pooled.append(len(chunks))
                 sample = False
@@ -373,8 +358,10 @@ class Scheduler:
             fresh, new_blocks = r.num_blocks_sent == 0, r.block_table[r.num_blocks_sent :]
             window_blocks = r.window_table[r.num_blocks_sent :]  # as many; FREED (-1) where a block slid out
             r.num_blocks_sent = len(r.block_table)
-            tokens = [-1] if follows else r.token_slice(start, start + n)
-            chunks.append(SeqChunk(r.request_id, tokens, start, new_blocks, sample, fresh, follows, window_blocks))
+            tokens = [-1] if follows else r.token_slice(start, start + n - len(drafts)) + drafts
+            chunks.append(
+                SeqChunk(r.request_id, tokens, start, new_blocks, sample, fresh, follows, window_blocks, len(drafts))
+            )
             r.num_scheduled_tokens += n
             r.samples_in_flight += sample
             if not r.announced:
@@ -384,9 +371,10 @@ class Scheduler:
         mb_id = self._next_mb
         self._next_mb += 1
         single = len(chunks) == 1 and chunks[0].is_prefill
-        self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None)
-        plan = StepPlan(mb_id, chunks, new, self._released, targets, self._preempted, pooled)
-        self._released, self._preempted = [], []
+        decode_rows = 0 if any(c.is_prefill for c in chunks) else sum(c.num_new for c in chunks)
+        self.inflight[mb_id] = _InFlight(items, (chunks[0].start, chunks[0].num_new) if single else None, decode_rows)
+        plan = StepPlan(mb_id, chunks, new, self._released, targets, self._preempted, pooled, self._truncated)
+        self._released, self._preempted, self._truncated = [], [], []
         return plan
 
     # ---- results in -----------------------------------------------------------------------
@@ -403,6 +391,8 @@ class Scheduler:
             for t in result.timings:
                 if self.latency.observe(t.stage, *record.prefill, t.end - t.start):
                     self.chunker.set_model(self.latency.model)
+        if record.decode_rows and result.timings:
+            self.spec.observe_step(record.decode_rows, max(t.end - t.start for t in result.timings))
         for r, n in record.items:
             r.inflight_plans -= 1
             if not r.finished:
@@ -411,6 +401,7 @@ class Scheduler:
             if (req := self.requests.get(p.request_id)) is not None and not req.finished:
                 req.add_prompt_scores(p.start, p.logprobs, p.top_logprobs)
         out: list[tuple[Request, Sampled | None]] = []
+        made: dict[str, int] = {}  # tokens each request's step made (more than one where drafts were kept)
         for v in result.pooled:  # embeddings: each ends its request, with nothing sampled
             if (req := self.requests.get(v.request_id)) is not None and not req.finished:
                 req.embedding, req.finish_reason = v.vector, FinishReason.STOP
@@ -420,7 +411,10 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None or req.finished:
                 continue  # aborted while in flight (or it ended before a step planned ahead): dropped
-            req.samples_in_flight -= 1
+            if s.request_id not in made:  # a step's first token (a chunk with drafts makes several)
+                req.samples_in_flight -= 1
+            made[s.request_id] = made.get(s.request_id, 0) + 1
+            req.forced = s.forced
             if s.error:  # no token: the request ends with the last stage's error
                 req.finish_reason, req.error = FinishReason.ERROR, s.error
                 self._finish(req)
@@ -430,11 +424,14 @@ class Scheduler:
                 self.cache.filled_ahead(req)
             out.append((req, s))
         for r, _ in record.items:
+            if r.drafts and self.spec.settle(r, made.get(r.request_id, 0), self.kv, self.cache):
+                self._truncated.append((r.request_id, len(r.block_table)))
             if r.finished and r.inflight_plans == 0:
                 self._free(r)
         return out
 
     def _finish(self, r: Request) -> None:
+        self.spec.finished(r)
         if r in self.running:
             self.running.remove(r)
         if r.inflight_plans == 0:
@@ -470,7 +467,7 @@ class Scheduler:
         preempted = list(self.running)
         for r in reversed(preempted):  # keep their order at the head of the queue
             self._preempt(r)
-        self._released, self._preempted = [], []  # the stages forget every request anyway
+        self._released, self._preempted, self._truncated = [], [], []  # the stages forget every request anyway
         self.kv.flush()  # a replaced stage has none of the cached KV
         return len(preempted)
 

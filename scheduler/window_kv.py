@@ -77,6 +77,12 @@ class WindowKv:
         if missing > 0:
             r.window_table.extend(self.allocator.allocate(missing))
 
+    def shrink(self, r: Request, keep: int) -> None:
+        """r's entries from `keep` on go back (blocks taken for drafts that were rejected)."""
+        self.allocator.free([b for b in r.window_table[max(keep, r.window_freed) :] if b != FREED])
+        del r.window_table[keep:]
+        r.window_freed = min(r.window_freed, keep)
+
     def free(self, r: Request) -> None:
         """r's blocks all go back (it ended, or was preempted)."""
         self.allocator.free([b for b in r.window_table[r.window_freed :] if b != FREED])

@@ -27,6 +27,8 @@ ENGINE_FLAGS = {
     "max_running_requests": "max_running_requests",
     "enable_dynamic_chunking": "dynamic_chunking",
     "enable_prefix_caching": "enable_prefix_caching",
+    "speculative": "speculative",
+    "num_speculative_tokens": "num_speculative_tokens",
     "dynamic_chunking_smooth_factor": "chunk_smooth",
     "stage_timeout": "stage_timeout_s",
     "stage_start_timeout": "stage_start_timeout_s",
@@ -94,6 +96,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse the KV of prompt prefixes seen before (a shared system prompt, a conversation's earlier "
         "turns) instead of computing it again (default: on)",
+    )
+    p.add_argument(
+        "--speculative",
+        default="ngram",
+        choices=["off", "ngram", "suffix"],
+        help="speculative decoding with drafts from the text already seen: ngram looks up the request's own "
+        "prompt and output, suffix also recent requests' (per tenant); each request's draft length follows its "
+        "acceptance and drops to 0 where the batch is compute-bound; output is the same as off (default: ngram)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        help="drafts per request and step at most (default 8)",
     )
     p.add_argument(
         "--dynamic-chunking-smooth-factor",

@@ -157,6 +157,12 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ppserve_prefix_cache_evictions", "Cached KV blocks given to new contents", value=s.prefix_cache_evictions
     )
+    for name, what, count in (
+        ("num_drafts", "Decode steps that carried draft tokens (speculative decoding)", s.spec_drafts),
+        ("num_draft_tokens", "Draft tokens verified", s.spec_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens kept (each one a model step saved)", s.spec_accepted_tokens),
+    ):
+        yield CounterMetricFamily(f"ppserve_spec_decode_{name}", what, value=count)
     yield _per_stage(
         CounterMetricFamily,
         "ppserve_stage_computed_tokens",

@@ -51,7 +51,7 @@ from ppserve.server.protocol import (
     clip_message,
 )
 from ppserve.server.security import bearer_token
-from ppserve.server.streams import Collected, Stream, collect, merge, sse_response
+from ppserve.server.streams import Collected, Stream, collect, merge, speculative_usage, sse_response
 from ppserve.server.tenants import Tenant
 
 log = logging.getLogger("ppserve.server")
@@ -83,14 +83,17 @@ async def _submit(
     return state.submit(ids, params, request_id, cache_salt=salt, client=client)
 
 
-def _usage(r: Collected | RequestOutput | None) -> dict[str, int]:
+def _usage(r: Collected | RequestOutput | None) -> dict[str, Any]:
     if r is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
     }
+    if (spec := speculative_usage([r])) is not None:
+        usage["speculative"] = spec
+    return usage
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -24,7 +24,7 @@ from ppserve.server import tokens, tool_calls
 from ppserve.server.app import STATE, TENANT, ServerState, client_of
 from ppserve.server.limits import decode_request
 from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
-from ppserve.server.streams import Stream, collect, merge, sse_response
+from ppserve.server.streams import Collected, Stream, collect, merge, speculative_usage, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)
 
@@ -69,15 +69,27 @@ def _header(state: ServerState, rid: str, kind: str) -> dict[str, Any]:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": state.options.served_model_name}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, outs: Sequence[Collected | RequestOutput] = ()
+) -> dict[str, Any]:
     """OpenAI's usage object. A prompt with n choices counts once, so its cached tokens are
-    those of its first choice (the others share the blocks that choice computes)."""
-    return {
+    those of its first choice (the others share the blocks that choice computes). Where steps
+    carried drafts (`outs`: each choice's last output), OpenAI's prediction-token counts say how
+    many were kept, and `speculative` (ppserve's) the mean acceptance length."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if (spec := speculative_usage(outs)) is not None:
+        kept, rejected = spec["accepted_tokens"], spec["draft_tokens"] - spec["accepted_tokens"]
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": rejected,
+        }
+        usage["speculative"] = spec
+    return usage
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
@@ -162,13 +174,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         cached = sum(r.cached_tokens for r in results[:: body.n])
         completion_tokens = 0 if scoring else sum(r.completion_tokens for r in results)
         return web.json_response(
-            {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
+            {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached, results[::copies])}
         )
 
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
         completion_tokens = 0
         cached = [0] * len(echoes)
+        last: dict[int, RequestOutput] = {}  # each choice's latest output (speculative counts)
         extra = {"usage": None} if body.include_usage else {}
         # Echoed prompt logprobs come with a prompt's first choice (its leader): the other choices'
         # first outputs wait for them, then go out with the same scores.
@@ -185,6 +198,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             offsets[i] += len(new_text)
             completion_tokens += 0 if scoring else len(out.token_ids)
             cached[i] = out.cached_tokens
+            last[i] = out
             finish = "length" if scoring and out.finished else out.finish_reason
             choice = {"index": i, "text": text, "logprobs": choice_logprobs, "finish_reason": finish}
             return {**base, "choices": [choice], **extra}
@@ -205,7 +219,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
                         for j, waiting in held.pop(i, []):
                             yield await chunk(j, waiting, True)
         if body.include_usage:
-            yield {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]))}
+            outs = [last[i] for i in range(0, len(echoes), copies) if i in last]
+            yield {
+                **base,
+                "choices": [],
+                "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]), outs),
+            }
 
     return await sse_response(request, events())
 
@@ -293,7 +312,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             msg, finish = message(r.text, r.finish_reason)
             logprobs = _chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None
             choices.append({"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish})
-        usage = _usage(len(ids), sum(r.completion_tokens for r in results), results[0].cached_tokens)
+        usage = _usage(len(ids), sum(r.completion_tokens for r in results), results[0].cached_tokens, results)
         return web.json_response({**base, "choices": choices, "usage": usage})
 
     base["object"] = "chat.completion.chunk"
@@ -301,6 +320,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         extra = {"usage": None} if body.include_usage else {}
         completion_tokens, cached = 0, 0
+        last: dict[int, RequestOutput] = {}  # each choice's latest output (speculative counts)
         # With tools, a choice's text is held back while it may still turn out to be calls
         # (always, when decoding is constrained to calls): calls are sent whole, in one delta.
         held: list[str | None] = ["" if mode else None for _ in range(body.n)]
@@ -309,6 +329,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
                 completion_tokens += len(out.token_ids)
+                last[i] = out
                 if i == 0:
                     cached = out.cached_tokens
                 logprobs = _chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None
@@ -330,7 +351,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 yield {**base, "choices": [choice], **extra}
         if body.include_usage:
-            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens, cached)}
+            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens, cached, list(last.values()))}
 
     return await sse_response(request, events())
 

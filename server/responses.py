@@ -203,10 +203,20 @@ class TypedEvent(msgspec.Struct):
     type: str
 
 
-class NativeUsage(msgspec.Struct):
+class SpeculativeUsage(msgspec.Struct):
+    """Speculative decoding's share of a request: draft tokens verified and kept, and the tokens
+    each step that carried drafts made on average (the kept drafts plus one)."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float
+
+
+class NativeUsage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # of prompt_tokens, found in the prefix cache rather than computed
+    speculative: SpeculativeUsage | None = None  # where the request's steps carried drafts
 
 
 class NativeLogprob(msgspec.Struct):

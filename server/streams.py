@@ -39,6 +39,9 @@ class Collected:
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (in the first output)
     embedding: list[float] | None = None  # an embedding request's, at its end
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified, kept, and the steps with drafts
+    accepted_tokens: int = 0
+    spec_steps: int = 0
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
@@ -51,6 +54,16 @@ class Collected:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.embedding = out.embedding
+        self.draft_tokens, self.accepted_tokens, self.spec_steps = out.draft_tokens, out.accepted_tokens, out.spec_steps
+
+
+def speculative_usage(outs: Sequence[Collected | RequestOutput]) -> dict[str, Any] | None:
+    """What speculative decoding did for these requests (their last outputs), for a usage object:
+    None where none of their steps carried drafts."""
+    drafted, kept, steps = (sum(getattr(o, f) for o in outs) for f in ("draft_tokens", "accepted_tokens", "spec_steps"))
+    if not steps:
+        return None
+    return {"draft_tokens": drafted, "accepted_tokens": kept, "mean_acceptance_length": (kept + steps) / steps}
 
 
 async def collect(streams: Sequence[Stream]) -> list[Collected]:

@@ -123,8 +123,9 @@ def test_a_failed_step_planned_past_the_end_leaves_the_engine_clean(
 ) -> None:
     """The step planned ahead past a stop token is still in flight when the request ends; if it
     fails, `generate` raises, and the engine is left with nothing in flight and every block
-    free, so the next batch runs (it waited forever for that step's result before)."""
-    pipe = pipeline(llama_dir)
+    free, so the next batch runs (it waited forever for that step's result before). Without
+    drafts: a request that would draft waits for its token rather than plan a step ahead."""
+    pipe = pipeline(llama_dir, speculative="off")
     free_run = pipe.generate([PROMPT], _greedy(20, ignore_eos=True))[0].token_ids
     stop = free_run[3]
     params = _greedy(20, stop_token_ids=(stop,))

@@ -67,6 +67,7 @@ def serve(
             dynamic_chunking=dynamic,
             chunk_smooth=1.0,
             enable_prefix_caching=caching,
+            speculative=cfg.speculative,
         )
     )
     if dynamic:
@@ -163,7 +164,8 @@ def test_repetition_penalty_counts_a_cached_prompt(llama_dir: Path) -> None:
 
 
 def test_every_stage_skips_the_cached_tokens(llama_dir: Path) -> None:
-    pipe = pipeline(llama_dir, pp_size=3, block_size=BLOCK, num_kv_blocks=64)
+    # (No drafts: the counts below are one row per token; drafts add rows that are rolled back.)
+    pipe = pipeline(llama_dir, pp_size=3, block_size=BLOCK, num_kv_blocks=64, speculative="off")
     rng = random.Random(5)
     system = random_prompt(rng, 100, pipe.config.model_config.vocab_size)
     first = Arrival(0, "first", system + random_prompt(rng, 7), GREEDY)
@@ -193,6 +195,7 @@ def engine_config(model_dir: Path, caching: bool) -> EngineConfig:
         num_kv_blocks=128,
         chunked_prefill_size=32,
         enable_prefix_caching=caching,
+        speculative="off",  # the counts below are one row per token (drafts add rows, rolled back)
     )
 
 

@@ -18,7 +18,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def make(
     pp: int = 2, blocks: int = 64, chunk: int = 8, budget: int = 64, running: int = 64, **settings: Any
 ) -> Scheduler:
-    """A scheduler with the production defaults but for what a test is about."""
+    """A scheduler with the production defaults but for what a test is about, and no drafts: the
+    tests' last stage (`complete`) makes one token a step (tests/test_drafter.py has drafts)."""
     return Scheduler(
         SchedulerConfig(
             num_blocks=blocks,
@@ -27,7 +28,7 @@ def make(
             max_running_requests=running,
             max_batched_tokens=budget,
             chunked_prefill_size=chunk,
-            **settings,
+            **{"speculative": "off", **settings},
         )
     )
 

@@ -33,9 +33,10 @@ CPU = torch.device("cpu")
 def make(
     window: int, window_blocks: int, blocks: int = 4096, bs: int = 4, chunk: int = 8, **settings: Any
 ) -> Scheduler:
-    config = SchedulerConfig(
-        num_blocks=blocks, block_size=bs, pp_size=2, chunked_prefill_size=chunk, max_batched_tokens=4 * chunk
-    )
+    config = SchedulerConfig(  # no drafts: the replica stages here write the known tokens only
+        num_blocks=blocks, block_size=bs, pp_size=2, chunked_prefill_size=chunk, max_batched_tokens=4 * chunk,
+        speculative="off",
+    )  # fmt: skip
     return Scheduler(replace(config, kv_window=window, num_window_blocks=window_blocks, **settings))
 
 

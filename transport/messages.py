@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 12  # 12: StepPlan.pooled, StepResult.pooled (embeddings)
+PROTOCOL_VERSION = 13  # 13: SeqChunk.drafts, StepPlan.truncated, Sampled.forced (speculative decoding)
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -46,6 +46,11 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
     # as `blocks` (so as many), -1 for blocks that slid out of the window (never read). Given to
     # `execute` directly, empty: `blocks` serves both groups.
     window_blocks: list[int] = []
+    # Speculative decoding: the last `drafts` of `token_ids` are guesses of the tokens that follow
+    # (scheduler/drafter.py). Every stage computes each row of such a chunk as a decode step of its
+    # own, and the last stage samples at every row, keeping a draft while it is what was sampled
+    # (engine/model/sampler.py, `verify`).
+    drafts: int = 0
 
     @property
     def num_new(self) -> int:
@@ -53,8 +58,8 @@ class SeqChunk(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def is_prefill(self) -> bool:
-        """Prompt work rather than one decode step (a 1-token final prefill chunk counts as decode)."""
-        return self.num_new > 1 or not self.sample
+        """Prompt work rather than decode steps (a 1-token final prefill chunk counts as decode)."""
+        return (self.num_new > 1 and not self.drafts) or not self.sample
 
 
 class WireSamplingParams(msgspec.Struct, frozen=True, array_like=True):
@@ -117,6 +122,9 @@ class StepPlan(Msg, frozen=True):
     # Chunks (indices in `chunks`) that end an embedding request's prompt: the last stage returns
     # their last row's final hidden state (`Pooled`) instead of sampling from it.
     pooled: list[int] = []
+    # (request id, blocks): tables that drop back to their first `blocks` entries before this plan's
+    # chunks, where the scheduler freed blocks it had taken only for rejected drafts.
+    truncated: list[tuple[str, int]] = []
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):
@@ -134,6 +142,9 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
     # Non-empty: no token could be sampled, because the request's grammar stopped (a limit of the
     # grammar engine, or a dead end); the request ends with this error, `token_id` means nothing.
     error: str = ""
+    # The tokens the request's grammar forces next (a JSON key, a closing brace), on a request's
+    # last sample of a step: the host drafts them in its next step (jump-forward).
+    forced: list[int] = []
 
 
 class Pooled(msgspec.Struct, frozen=True, array_like=True):
@@ -156,8 +167,8 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepResult(Msg, frozen=True):
-    """From the last stage: what each sampling chunk produced, prompt logprobs where asked for,
-    and every stage's compute time."""
+    """From the last stage: what each sampling chunk produced (a chunk with drafts: one sample per
+    token it made, in order), prompt logprobs where asked for, and every stage's compute time."""
 
     mb_id: int
     samples: list[Sampled]

@@ -23,6 +23,8 @@ sampler's history (a replaced last stage carries on exactly).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,7 +40,7 @@ from ppserve.engine.model.grammar import UNKNOWN_COST, first_line
 from ppserve.engine.model.grammar_thread import start_grammar_thread, wait_for
 from ppserve.engine.model.sampling_ops import SamplerParams, candidates, inverse_transform, unpack_mask
 from ppserve.scheduler.sampling_params import GREEDY_BELOW
-from ppserve.transport.messages import StepPlan
+from ppserve.transport.messages import SeqChunk, StepPlan
 
 if TYPE_CHECKING:
     import llguidance
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_FORCED = 32  # forced tokens a sample carries at most (the host drafts fewer)
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -54,6 +58,7 @@ class Sample:
     logprob: float | None = None  # of the chosen token, when logprobs were asked for
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
     error: str = ""  # non-empty: the request's grammar stopped, and `token_id` means nothing
+    forced: tuple[int, ...] = ()  # what the request's grammar forces next (`verify`, with jump_forward)
 
 
 class _RequestState:
@@ -135,10 +140,18 @@ _Prepared = tuple["_RequestState | str", int, Future[torch.Tensor], int]
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, grammars: Callable[[], Grammars] | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        grammars: Callable[[], Grammars] | None = None,
+        jump_forward: bool = False,
+    ) -> None:
         """`grammars`: makes the model's Grammars (loading its tokenizer) when the first request
-        with a grammar comes; None: such requests are refused."""
+        with a grammar comes; None: such requests are refused. `jump_forward`: `verify` says what
+        each grammar forces next, for the host to draft."""
         self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
         self.device = device
         self._requests: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=device)  # for requests without a seed
@@ -290,6 +303,40 @@ class Sampler:
                 values, ids = row.topk(state.params.logprobs)
                 top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
             out.append(Sample(token, float(row[token]), top))
+        return out
+
+    def verify(self, chunks: Sequence[SeqChunk], logits: torch.Tensor) -> list[list[Sample]]:
+        """The samples of a plan's sampling chunks, each chunk's in order. logits: [rows, vocab]
+        float32, 1 + `drafts` rows per chunk, in chunk order (StageRunner.execute's).
+
+        Row j of a chunk is sampled exactly as a one-token step would sample it (its own logits,
+        bitwise those of decoding one token at a time; the request's state after the tokens
+        before it: penalties, grammar, seeded noise at its step), and the chunk goes on to row
+        j + 1 only while the token sampled equals draft j + 1. Greedy, that is the longest
+        matching prefix plus the next argmax. Sampling, it is the rejection rule for a
+        deterministic draft: the draft is kept with probability p(draft), and on rejection the
+        token is drawn from p without the draft, renormalised: so every token has the model's
+        distribution, and a seeded request even the same tokens as without drafts."""
+        first = list(itertools.accumulate((1 + c.drafts for c in chunks), initial=0))
+        out: list[list[Sample]] = [[] for _ in chunks]
+        live, j = list(range(len(chunks))), 0
+        while live:
+            rows = [first[i] + j for i in live]
+            batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            nxt = []
+            for i, sample in zip(live, self.sample([chunks[i].request_id for i in live], batch), strict=True):
+                out[i].append(sample)
+                c = chunks[i]
+                if not sample.error and j < c.drafts and sample.token_id == c.token_ids[j + 1]:
+                    nxt.append(i)
+            live, j = nxt, j + 1
+        if self.jump_forward:
+            for c, samples in zip(chunks, out, strict=True):
+                state = self._requests[c.request_id]
+                if state.matcher is not None and not state.error and not samples[-1].error:
+                    forced = tuple(state.matcher.compute_ff_tokens()[:MAX_FORCED])
+                    if forced:
+                        samples[-1] = dataclasses.replace(samples[-1], forced=forced)
         return out
 
     def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

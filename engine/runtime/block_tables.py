@@ -2,7 +2,8 @@
 
 A StepPlan carries only what changed (see SeqChunk in transport/messages.py): the blocks each
 chunk's request gained since its previous chunk (a whole new table where `new_table` says so),
-and which requests are over (`released`) or were preempted (`preempted`). A stage applies a plan
+which requests are over (`released`) or were preempted (`preempted`), and which tables shrink
+(`truncated`: blocks taken for drafts that were rejected, given back). A stage applies a plan
 here, in plan order, right before running it; the tables then hold exactly what the scheduler's
 requests held when it built the plan. A stage that loses its state (a `Reset`, or a fresh
 process) starts with no tables, and the scheduler, told by `reset_pipeline`, sends every
@@ -60,6 +61,8 @@ class BlockTables:
             self.drop(rid)
         for rid in plan.preempted:
             self.drop(rid)
+        for rid, keep in plan.truncated:
+            self.truncate(rid, keep)
         for chunk in plan.chunks:
             if chunk.new_table:
                 self.drop(chunk.request_id)
@@ -83,6 +86,13 @@ class BlockTables:
             self._grow(width=max(end, 2 * self._table.shape[1]))
         self._table[row, start:end] = torch.tensor(blocks, dtype=torch.long).clamp_(min=0)  # -1: slid out
         self._length[row] = end
+
+    def truncate(self, request_id: str, blocks: int) -> None:
+        """Keep a request's first `blocks` entries (the rest held rejected drafts' KV)."""
+        row = self._row.get(request_id)
+        if row is not None and blocks < self._length[row]:
+            self._table[row, blocks : self._length[row]] = 0
+            self._length[row] = blocks
 
     def drop(self, request_id: str) -> None:
         """Forget a request's table (unknown ids are ignored: a request preempted, then released)."""

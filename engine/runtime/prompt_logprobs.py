@@ -25,7 +25,8 @@ SLICE_ROWS = 64  # rows scored at a time
 def make_sampler(config: EngineConfig) -> Sampler:
     """The last stage's sampler for `config`'s model, its grammars over the model's tokenizer."""
     vocab = config.model_config.vocab_size
-    return Sampler(vocab, torch.device(config.device), lambda: Grammars.for_model(config.model, vocab))
+    grammars = lambda: Grammars.for_model(config.model, vocab)  # noqa: E731
+    return Sampler(vocab, torch.device(config.device), grammars, jump_forward=config.speculative != "off")
 
 
 def prompt_rows(plan: StepPlan) -> list[int]:
@@ -41,7 +42,8 @@ def last_stage_outputs(
     sampler: Sampler, plan: StepPlan, logits: torch.Tensor, pooled: torch.Tensor
 ) -> tuple[list[Sampled], list[PromptLogprobs], list[Pooled]]:
     """logits: float32 [num_sampled + len(prompt_rows(plan)), vocab], as `StageRunner.execute`
-    returns them given `prompt_rows(plan)`: one row per sampling chunk, then the prompt rows.
+    returns them given `prompt_rows(plan)`: 1 + `drafts` rows per sampling chunk, then the prompt
+    rows. A chunk with drafts gives one sample per token it made (Sampler.verify).
     pooled: [len(plan.pooled), hidden], the runner's `pooled` rows (embeddings)."""
     # Released requests have nothing in flight any more; drop them first, since a new
     # request in this very plan may reuse an id.
@@ -49,16 +51,18 @@ def last_stage_outputs(
         sampler.remove_request(rid)
     for new in plan.new_requests:
         sampler.add_request(new.request_id, new.params, new.output_token_ids, new.prompt_token_ids, new.grammar_cost)
-    ids = [c.request_id for c in plan.chunks if c.sample]
-    sampled = logits[: len(ids)] if plan.prompt_targets else logits
+    chunks = [c for c in plan.chunks if c.sample]
+    rows = sum(1 + c.drafts for c in chunks)
+    sampled = logits[:rows] if plan.prompt_targets else logits
     samples = [
-        Sampled(rid, s.token_id, s.logprob, list(s.top_logprobs), s.error)
-        for rid, s in zip(ids, sampler.sample(ids, sampled), strict=True)
+        Sampled(c.request_id, s.token_id, s.logprob, list(s.top_logprobs), s.error, list(s.forced))
+        for c, made in zip(chunks, sampler.verify(chunks, sampled), strict=True)
+        for s in made
     ]
     vectors = [Pooled(plan.chunks[i].request_id, v) for i, v in zip(plan.pooled, pooled.tolist(), strict=True)]
     if not plan.prompt_targets:
         return samples, [], vectors
-    return samples, score_prompts(sampler, plan, logits[len(ids) :]), vectors
+    return samples, score_prompts(sampler, plan, logits[rows:]), vectors
 
 
 def score_prompts(sampler: Sampler, plan: StepPlan, logits: torch.Tensor) -> list[PromptLogprobs]:

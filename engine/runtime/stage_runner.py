@@ -121,17 +121,18 @@ class StageRunner:
         First stage: reads `chunks[i].token_ids`; other stages: `hidden` [num_tokens, hidden_size]
         from the previous stage, rows in chunk order. Returns the hidden states for the next stage,
         or, on the last stage, float32 logits [num_sampled + len(prompt_rows), vocab]: the last row
-        of each chunk with `sample`, in order, then `prompt_rows` (rows of the micro-batch, for
-        prompt logprobs); `all_logits`: every row, [num_tokens, vocab]. The last stage leaves the
-        pooled `pool_rows` (embeddings) in `self.pooled`.
+        of each chunk with `sample` (its last 1 + `drafts` rows), in order, then `prompt_rows` (rows
+        of the micro-batch, for prompt logprobs); `all_logits`: every row, [num_tokens, vocab]. The
+        last stage leaves the pooled `pool_rows` (embeddings) in `self.pooled`.
         """
         device = self.device
-        ids = [c.request_id for c in chunks]
+        spans = _spans(chunks)
+        ids = [c.request_id for c, _, _ in spans]
         if tables is None:
-            block_tables, lengths = padded_tables([c.blocks for c in chunks])
+            block_tables, lengths = padded_tables([c.blocks for c, _, _ in spans])
         else:
             block_tables, lengths = tables.lookup(ids)
-        starts, num_new, bs = [c.start for c in chunks], [c.num_new for c in chunks], self.config.block_size
+        starts, num_new, bs = [s for _, s, _ in spans], [n for _, _, n in spans], self.config.block_size
         md = AttentionMetadata.from_tables(
             starts, num_new, block_tables, lengths, bs, device, self.windows[0], self.gather_buffers
         )
@@ -156,13 +157,30 @@ class StageRunner:
             self.pooled = self.model.pool(h[torch.tensor(pool_rows, dtype=torch.long, device=device)])
         if all_logits:
             return self.model.compute_logits(h)
-        # Only the last new token of each sampled chunk needs logits.
-        rows, end = [], 0
+        # Only the last new token of each sampled chunk needs logits (every token of one with drafts).
+        rows: list[int] = []
+        end = 0
         for c in chunks:
             end += c.num_new
             if c.sample:
-                rows.append(end - 1)
+                rows += range(end - 1 - c.drafts, end)
         rows += prompt_rows  # only requests that asked for prompt logprobs pay for these
         if rows == list(range(h.shape[0])):  # every row, in order (a decode step): no gather
             return self.model.compute_logits(h)
         return self.model.compute_logits(h[torch.tensor(rows, dtype=torch.long, device=device)])
+
+
+def _spans(chunks: Sequence[SeqChunk]) -> list[tuple[SeqChunk, int, int]]:
+    """(chunk, start, new tokens) per attention span: a chunk, or one span per row of a chunk with
+    drafts, so that each of its rows is computed as a decode step of its own (the decode kernel,
+    whose row sees its request's keys up to its own position): bitwise the logits that decoding
+    one token at a time would give, which is what makes verification exact."""
+    if not any(c.drafts for c in chunks):
+        return [(c, c.start, c.num_new) for c in chunks]
+    out: list[tuple[SeqChunk, int, int]] = []
+    for c in chunks:
+        if c.drafts:
+            out += [(c, c.start + i, 1) for i in range(c.num_new)]
+        else:
+            out.append((c, c.start, c.num_new))
+    return out

@@ -1,0 +1,157 @@
+"""Speculative decoding's policy: how many drafts each request's decode step carries (pure Python).
+
+A draft token costs a row of compute in every stage and pays only if accepted. Each request keeps
+an estimate `alpha` of the chance that its next draft token is accepted (counts of kept and
+rejected draft tokens, forgotten a little every step, so that a request that copies again after a
+while of free text is tried again). A step's time is modelled as t0 + c * rows, fitted to the
+decode steps' own timings (`StepCost`). A plan with R rows that is expected to make T tokens
+makes T / (t0 + c * R) tokens a second; its request's i-th draft token adds alpha^i expected
+tokens for c seconds, so it is taken while
+
+    alpha^i * (t0 / c + R) >= T
+
+At batch 1 on a CPU a row costs little beside reading the weights (t0 / c is large), so drafts are
+long; with 16 or 32 decode rows the step is compute-bound, T is large, and only requests that copy
+almost surely still draft. Drafts never exceed what the request may still generate.
+
+The tokens a grammar forces (Sampled.forced: the last stage's jump-forward) are taken as they are:
+the grammar's mask allows little else, so they are all but certain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppserve.scheduler.drafter import Drafter
+from ppserve.scheduler.kv_groups import KvGroups
+from ppserve.scheduler.prefix_cache import PrefixCache
+from ppserve.scheduler.request import Request
+
+FORGET = 0.97  # per step: a request's acceptance counts fade towards the prior
+MAX_FORCED = 16  # forced tokens drafted in one step at most
+
+
+@dataclass
+class SpecStats:
+    """Counts since the start (vLLM's `spec_decode_*` counters, in /metrics)."""
+
+    drafts: int = 0  # steps that carried drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class StepCost:
+    """t(rows) = t0 + c * rows for a decode step, by exponentially weighted least squares over the
+    steps seen; `ratio` is c / t0, what one more row costs beside a one-row step."""
+
+    PRIOR_RATIO = 0.1  # until steps of two different row counts have been seen
+    DECAY = 0.99
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._rows: set[int] = set()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not seconds > 0:
+            return
+        d = self.DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + rows, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+        if len(self._rows) < 2:
+            self._rows.add(rows)
+
+    @property
+    def ratio(self) -> float:
+        if len(self._rows) < 2:
+            return self.PRIOR_RATIO
+        var = self._w * self._xx - self._x * self._x
+        if var <= 1e-9 * self._w * self._w:
+            return self.PRIOR_RATIO
+        c = (self._w * self._xy - self._x * self._y) / var
+        t0 = (self._y - c * self._x) / self._w
+        if t0 <= 0:
+            return 10.0  # all slope: rows are what costs
+        return min(10.0, max(1e-3, c / t0))
+
+
+class Speculator:
+    def __init__(self, mode: str, max_drafts: int) -> None:
+        self.drafter = Drafter(mode)
+        self.max_drafts = max_drafts
+        self.cost = StepCost()
+        self.stats = SpecStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter.mode != "off"
+
+    def drafts(self, r: Request, limit: int, rows: float, tokens: float) -> tuple[list[int], float]:
+        """Drafts for r's next decode step, at most `limit`, in a plan of `rows` rows expected to
+        make `tokens` tokens (r's own step counted); returns them and the tokens they should add."""
+        r.spec_hits *= FORGET
+        r.spec_tries *= FORGET
+        if limit < 1 or not self.enabled:
+            return [], 0.0
+        r.draft_forced = bool(r.forced)
+        if r.forced:
+            forced = r.forced[: min(limit, MAX_FORCED)]
+            return forced, float(len(forced))
+        alpha, headroom = _alpha(r), 1 / self.cost.ratio
+        k, gain, expected = 0, 1.0, 0.0
+        while k < min(limit, self.max_drafts):
+            gain *= alpha
+            if gain * (headroom + rows + k) < tokens + expected:
+                break
+            k, expected = k + 1, expected + gain
+        if not k:
+            return [], 0.0
+        draft = self.drafter.propose(r, k)
+        if not draft:
+            r.spec_tries += 1  # nothing to draft from counts as a miss: such a request stops asking
+        return draft, sum(alpha ** (i + 1) for i in range(len(draft)))
+
+    def wants(self, r: Request, rows: int) -> bool:
+        """Whether r's next step would likely carry drafts, in a plan of `rows` decode rows (then
+        it waits for its token rather than decoding ahead at PP=1: drafts follow that token)."""
+        if not self.enabled:
+            return False
+        return bool(r.forced) or _alpha(r) * (1 / self.cost.ratio + rows) >= rows
+
+    def settle(self, r: Request, made: int, kv: KvGroups, cache: PrefixCache) -> bool:
+        """r's step with drafts made `made` tokens: the drafts kept and one more. The rest were
+        computed for nothing: r's counts roll back over them (their KV is overwritten later), and
+        blocks taken only for them go back. Returns whether the stages' table of r must shrink
+        to its `block_table` (StepPlan.truncated)."""
+        drafted, accepted = len(r.drafts), max(0, made - 1)
+        self.stats.drafts += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        r.num_draft_tokens += drafted
+        r.num_accepted_tokens += accepted
+        r.num_spec_steps += 1
+        if not r.draft_forced:
+            r.spec_hits += accepted
+            r.spec_tries += accepted + (accepted < drafted)
+        r.drafts = []
+        if r.finished:
+            return False  # its blocks go back with it
+        r.num_scheduled_tokens -= drafted - accepted
+        r.num_computed_tokens -= drafted - accepted
+        cache.verified(r, r.num_tokens - made)
+        kv.shrink(r, r.num_scheduled_tokens)
+        if r.num_blocks_sent <= len(r.block_table):
+            return False
+        r.num_blocks_sent = len(r.block_table)
+        return True
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows took `seconds` on its slowest stage."""
+        self.cost.observe(rows, seconds)
+
+    def finished(self, r: Request) -> None:
+        self.drafter.finished(r)
+
+
+def _alpha(r: Request) -> float:
+    """The chance that r's next draft token is kept: its counts, with a prior of one half."""
+    return (r.spec_hits + 1) / (r.spec_tries + 2)
