@@ -71,7 +71,7 @@ class StepCost:
         t0 = (self._y - c * self._x) / self._w
         if t0 <= 0:
             return 10.0  # all slope: rows are what costs
-        return min(10.0, max(1e-3, c / t0))
+        return min(10.0, max(0.01, c / t0))  # (a noisy fit never makes rows free)
 
 
 class Speculator:

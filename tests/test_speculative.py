@@ -8,21 +8,31 @@ prefix caching, preemption and grammars (whose forced tokens are drafted: jump-f
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
+import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from helpers import pipeline, random_prompt
+from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import chi2_contingency
+from test_pipeline import collect, engine_config, wait_until
 
+from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.model.grammar import build_grammar
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.offline import Generation, OfflineEngine
+from ppserve.engine.outputs import EngineStats, RequestOutput
 from ppserve.engine.request_stream import RequestStream
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
+from ppserve.server.metrics import ServerMetrics
+from ppserve.server.native_api import _usage as native_usage
+from ppserve.server.openai_api import _usage as openai_usage
 from ppserve.transport.messages import Sampled
 
 
@@ -200,3 +210,54 @@ def test_a_stop_string_inside_a_step_with_drafts_cuts_the_text_as_one_token_at_a
             text, tokens = text + out.text, out.completion_tokens
         outputs.append((text, tokens, stopped[0]))
     assert outputs[0] == outputs[1] == outputs[2] and outputs[0][0] == " alpha beta "
+
+
+# ---- the demo model through stage processes ----------------------------------------------------
+
+_CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+DEMO_PROMPTS = [_CODE * 3, "Repeat after me: the quick brown fox jumps over the lazy dog. " * 3, "Once upon a time"]
+
+
+@pytest.mark.slow
+async def test_demo_model_at_pp2_with_a_stage_killed_mid_stream(smollm2_gguf: Path) -> None:
+    """The demo model as served (Q4_1 weights, int8 activations), PP=2 in stage processes: the same
+    greedy tokens with drafts as without, also when the last stage is killed mid-stream (replaced,
+    its requests recomputed from their tokens), and /metrics-level counts of the drafts."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def run(mode: str, kill: bool = False) -> tuple[list[list[int]], int]:
+        config = engine_config(smollm2_gguf, 2, chunked_prefill_size=64, speculative=mode)
+        async with AsyncEngine(config) as engine:
+            tasks = asyncio.gather(*[collect(engine, p, params) for p in DEMO_PROMPTS])
+            if kill:
+                assert engine._pool is not None
+                await wait_until(lambda: all(len(r.output_token_ids) > 4 for r in engine.scheduler.running), 120)
+                os.kill(engine._pool.procs[1].pid or 0, signal.SIGKILL)
+            out = await asyncio.wait_for(tasks, timeout=300)  # a guard against a hang, not a speed check
+            assert engine.stage_restarts == [0, int(kill)] and engine.stats().kv_blocks_used == 0
+            return out, engine.stats().spec_accepted_tokens
+
+    plain, _ = await run("off")
+    spec, accepted = await run("ngram")
+    assert spec == plain and accepted > 0
+    healed, _ = await run("ngram", kill=True)
+    assert healed == plain
+
+
+def test_metrics_and_usage_say_what_the_drafts_did() -> None:
+    stats = EngineStats(
+        1, 0, 1, 10, (0.5,), {}, None, 0, (0,), False, 0, 0, 0, 0, (9,), 3, 12, 7
+    )  # 3 steps with 12 drafts, 7 kept
+    m = {
+        s.name: s.value
+        for f in text_string_to_metric_families(ServerMetrics(lambda: stats).render().decode())
+        for s in f.samples
+    }
+    assert m["ppserve_spec_decode_num_drafts_total"] == 3 and m["ppserve_spec_decode_num_draft_tokens_total"] == 12
+    assert m["ppserve_spec_decode_num_accepted_tokens_total"] == 7
+    out = RequestOutput("r", "", [], True, "length", 5, 20, draft_tokens=12, accepted_tokens=7, spec_steps=3)
+    usage = openai_usage(5, 20, 0, [out])
+    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 7, "rejected_prediction_tokens": 5}
+    assert usage["speculative"]["mean_acceptance_length"] == pytest.approx(10 / 3)
+    assert "speculative" not in openai_usage(5, 20, 0, [RequestOutput("r", "", [], True, "length", 5, 20)])
+    assert native_usage(out)["speculative"]["accepted_tokens"] == 7
