@@ -77,6 +77,7 @@ class Request:
     forced: list[int] = field(default_factory=list)
     spec_hits: float = 0.0
     spec_tries: float = 0.0
+    spec_faded: int = 0  # num_tokens when the counts last faded
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

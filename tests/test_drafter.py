@@ -99,17 +99,24 @@ def _step(s: Scheduler, plan: StepPlan, made: dict[str, list[int]]) -> None:
     s.update(StepResult(plan.mb_id, samples, [Timing(0, 0.0, 0.01)]))
 
 
-def test_a_step_with_drafts_rolls_back_what_was_rejected_and_gives_its_blocks_back() -> None:
-    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, pp_size=1, decode_ahead=False))
-    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" recurs: drafts "4 5 6 ..."
-    r = _request("r", prompt)
+def _decoding(blocks: int, prompt: list[int], first: int, max_tokens: int = 64) -> tuple[Scheduler, Request, StepPlan]:
+    """A scheduler whose one request has prefilled `prompt` and sampled `first`, and the plan of
+    its first decode step."""
+    s = Scheduler(SchedulerConfig(num_blocks=blocks, block_size=4, pp_size=1, decode_ahead=False))
+    r = _request("r", prompt, max_tokens)
     s.add(r)
     plan = s.schedule()
     assert plan is not None
-    _step(s, plan, {"r": [4]})  # the prefill's token: "... 1 2 3 4"
-    free_before = s.allocator.num_free
+    _step(s, plan, {"r": [first]})
     plan = s.schedule()
     assert plan is not None
+    return s, r, plan
+
+
+def test_a_step_with_drafts_rolls_back_what_was_rejected_and_gives_its_blocks_back() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # "1 2 3" recurs: drafts "4 5 6 ..."
+    s, r, plan = _decoding(16, prompt, 4)  # the prefill's token: "... 1 2 3 4"
+    free_before = s.allocator.num_free + len(r.block_table) - 3  # with the drafts' block back
     (chunk,) = plan.chunks
     assert chunk.drafts >= 2 and chunk.token_ids[:3] == [4, 5, 6] and chunk.sample
     assert len(r.block_table) > 3  # the drafts took a block of their own
@@ -126,24 +133,10 @@ def test_a_step_with_drafts_rolls_back_what_was_rejected_and_gives_its_blocks_ba
 
 
 def test_drafts_stop_at_max_tokens_and_never_preempt() -> None:
-    s = Scheduler(SchedulerConfig(num_blocks=4, block_size=4, pp_size=1, decode_ahead=False))
-    r = _request("r", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=3)
-    s.add(r)
-    plan = s.schedule()
-    assert plan is not None
-    _step(s, plan, {"r": [3]})
-    plan = s.schedule()
-    assert plan is not None
+    s, r, plan = _decoding(4, [1, 2, 3, 1, 2, 3, 1, 2], 3, max_tokens=3)
     assert plan.chunks[0].drafts == 1  # 3 tokens at most: this step makes the other two
     _step(s, plan, {"r": [1, 2]})
     assert r.finished and s.allocator.num_free == 4
     # A full cache: the drafts shrink to the empty blocks there are.
-    s = Scheduler(SchedulerConfig(num_blocks=3, block_size=4, pp_size=1, decode_ahead=False))
-    r = _request("r", [1, 2, 3, 1, 2, 3, 1, 2, 3, 1], max_tokens=50)
-    s.add(r)
-    plan = s.schedule()
-    assert plan is not None
-    _step(s, plan, {"r": [2]})
-    plan = s.schedule()
-    assert plan is not None
+    s, r, plan = _decoding(3, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1], 2)
     assert plan.chunks[0].drafts == 1 and len(r.block_table) == 3  # positions 10 and 11: block 2's last

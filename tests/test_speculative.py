@@ -117,7 +117,7 @@ def test_sampling_keeps_the_model_distribution(llama_dir: Path) -> None:
     n = 6000
 
     def draws(mode: str, seeds: range) -> Counter[tuple[int, ...]]:
-        engine = _engine(llama_dir, 1, mode, max_running_requests=256, num_kv_blocks=4096)
+        engine = _engine(llama_dir, 2, mode, max_running_requests=16, num_kv_blocks=1024)
         params = [SamplingParams(max_tokens=3, ignore_eos=True, logit_bias=bias, seed=i) for i in seeds]
         out = engine.generate([prompt] * n, params)
         if mode == "ngram":
