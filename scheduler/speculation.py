@@ -4,9 +4,9 @@ A draft token costs a row of compute in every stage and pays only if accepted. E
 an estimate `alpha` of the chance that its next draft token is accepted (counts of kept and
 rejected draft tokens, forgotten a little every token, so that a request that copies again after
 a while of free text is tried again; a new request starts from what recent requests' drafts did).
-A step's time is modelled as t0 + c * rows, fitted to the decode steps' own timings (`StepCost`). A plan with R rows that is expected to make T tokens
-makes T / (t0 + c * R) tokens a second; its request's i-th draft token adds alpha^i expected
-tokens for c seconds, so it is taken while
+A step's time is modelled as t0 + c * rows, fitted to the decode steps' own timings (`StepCost`).
+A plan with R rows that is expected to make T tokens makes T / (t0 + c * R) tokens a second; its
+request's i-th draft token adds alpha^i expected tokens for c seconds, so it is taken while
 
     alpha^i * (t0 / c + R) >= T
 
