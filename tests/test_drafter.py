@@ -126,10 +126,10 @@ def test_a_step_with_drafts_rolls_back_what_was_rejected_and_gives_its_blocks_ba
     assert r.num_computed_tokens == r.num_scheduled_tokens == len(prompt) + 2  # "... 4 5" in the KV
     assert len(r.block_table) == 3 and s.allocator.num_free == free_before
     assert s.spec.stats.draft_tokens == chunk.drafts and s.spec.stats.accepted_tokens == 1
-    plan = s.schedule()
-    assert plan is not None
-    assert ("r", 3) in plan.truncated  # the stages drop the draft block too
-    assert plan.chunks[0].start == len(prompt) + 2 and plan.chunks[0].token_ids[0] == 9
+    after = s.schedule()
+    assert after is not None
+    assert ("r", 3) in after.truncated  # the stages drop the draft block too
+    assert after.chunks[0].start == len(prompt) + 2 and after.chunks[0].token_ids[0] == 9
 
 
 def test_drafts_stop_at_max_tokens_and_never_preempt() -> None:
