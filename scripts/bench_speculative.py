@@ -7,9 +7,10 @@ that quote a passage of the prompt, (c) JSON extraction with a schema (a grammar
 its forced tokens too), (d) open-ended chat. Each is run at batch 1 (one request after another)
 and as NUM_REQUESTS concurrent streams; output tokens per second are compared side by side, every
 engine on the same machine in one run. ppserve at PP=2 runs with and without drafts too, for the
-stages' busy share. llama-server runs each n-gram --spec-type (and none).
+stages' busy share. llama-server runs each n-gram --spec-type (and none), at batch 1 unless
+--llama-modes says streams too.
 
-    .venv/bin/python scripts/bench_speculative.py                    # everything (about 40 minutes)
+    .venv/bin/python scripts/bench_speculative.py                    # all engines (about 35 minutes)
     .venv/bin/python scripts/bench_speculative.py --engines ppserve-spec,ppserve-off --workloads a,d
 
 Writes benchmarks/results/speculative.json; server logs go to build/peers/logs/.
@@ -196,7 +197,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--workloads", default="a,b,c,d")
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--llama-modes", default="batch1", help="batch1,streams: llama-server's runs (default batch1)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
     return p.parse_args()
 
@@ -219,6 +221,8 @@ def main() -> None:
                 for mode, concurrent in (("batch1", False), ("streams", True)):
                     if "-pp2" in name and mode == "batch1":
                         continue  # PP=2 is here for the stages' busy share under load
+                    if name.startswith("llama") and mode not in args.llama_modes.split(","):
+                        continue
                     r = asyncio.run(run(url, data[w], args.max_tokens, concurrent))
                     if name.startswith("ppserve"):
                         r["stage_busy"] = busy(url)

@@ -23,17 +23,20 @@ from scipy.stats import chi2_contingency
 from test_pipeline import collect, engine_config, wait_until
 
 from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.grammar import build_grammar
 from ppserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ppserve.engine.offline import Generation, OfflineEngine
 from ppserve.engine.outputs import EngineStats, RequestOutput
 from ppserve.engine.request_stream import RequestStream
+from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler
+from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.scheduler.request import FinishReason, Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.native_api import _usage as native_usage
 from ppserve.server.openai_api import _usage as openai_usage
-from ppserve.transport.messages import Sampled
+from ppserve.transport.messages import NewRequest, Sampled, SeqChunk, StepPlan
 
 
 class _Cheap:
@@ -261,3 +264,22 @@ def test_metrics_and_usage_say_what_the_drafts_did() -> None:
     assert usage["speculative"]["mean_acceptance_length"] == pytest.approx(10 / 3)
     assert "speculative" not in openai_usage(5, 20, 0, [RequestOutput("r", "", [], True, "length", 5, 20)])
     assert native_usage(out)["speculative"]["accepted_tokens"] == 7
+
+
+def test_synthetic_stages_verify_drafts_too(llama_dir: Path) -> None:
+    """Stages that do no math (--synthetic-latency) give a step with drafts a logits row per token,
+    which the sampler verifies like any (their one favoured token: every draft of it is kept)."""
+    config = EngineConfig.create(llama_dir, synthetic_latency=(0.0, 0.0, 0.0), num_kv_blocks=8)
+    runner, sampler = SyntheticRunner(config, 0), make_sampler(config)
+    favoured = config.model_config.vocab_size - 1
+    params = SamplingParams(temperature=0.0).wire()
+    plan = StepPlan(
+        0,
+        [
+            SeqChunk("a", [5, favoured, favoured], 4, [0], True, True, drafts=2),
+            SeqChunk("b", [5, 6], 9, [1], True, True, drafts=1),
+        ],
+        [NewRequest("a", params), NewRequest("b", params)],
+    )
+    samples, _, _ = last_stage_outputs(sampler, plan, runner.execute_plan(plan), runner.pooled)
+    assert [(s.request_id, s.token_id) for s in samples] == [("a", favoured)] * 3 + [("b", favoured)]

@@ -76,7 +76,7 @@ class SyntheticRunner:
         if not self.last:
             # hidden: [num_tokens, hidden_size], contents irrelevant; it still crosses the channel.
             return torch.zeros((rows, self.config.model_config.hidden_size), dtype=self.config.torch_dtype)
-        n = rows if all_logits else sum(1 for c in chunks if c.sample) + len(prompt_rows)
+        n = rows if all_logits else sum(1 + c.drafts for c in chunks if c.sample) + len(prompt_rows)
         logits = torch.zeros((n, self.config.model_config.vocab_size), dtype=torch.float32)
         logits[:, self.token] = 10.0
         return logits
