@@ -199,6 +199,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--llama-modes", default="batch1", help="batch1,streams: llama-server's runs (default batch1)")
+    p.add_argument("--llama-workloads", default="a,b,c,d", help="llama-server's workloads (default all)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
     return p.parse_args()
 
@@ -221,7 +222,9 @@ def main() -> None:
                 for mode, concurrent in (("batch1", False), ("streams", True)):
                     if "-pp2" in name and mode == "batch1":
                         continue  # PP=2 is here for the stages' busy share under load
-                    if name.startswith("llama") and mode not in args.llama_modes.split(","):
+                    if name.startswith("llama") and (
+                        mode not in args.llama_modes.split(",") or w not in args.llama_workloads
+                    ):
                         continue
                     r = asyncio.run(run(url, data[w], args.max_tokens, concurrent))
                     if name.startswith("ppserve"):
