@@ -26,7 +26,11 @@ def table_speculative(r: Sequence[Result]) -> list[str]:
             ratio = spec["tokens_per_s"] / off["tokens_per_s"]
             target = 1.5 if mode == "batch1" and w != "d" else 0.97
             kept = f"{num(100 * spec['accepted_tokens'] / spec['draft_tokens'], 0)}%" if spec["draft_tokens"] else "-"
-            llamas = {e: v[key]["tokens_per_s"] for e, v in res.items() if e.startswith("llama-") and key in v}
+            llamas = {
+                e: v[key]["tokens_per_s"]
+                for e, v in res.items()
+                if e.startswith("llama-") and "tokens_per_s" in v.get(key, {})
+            }
             lookups = {e: v for e, v in llamas.items() if e != "llama-none"}
             best = max(lookups, key=lookups.__getitem__) if lookups else None
             rows.append(
