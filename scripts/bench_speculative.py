@@ -237,11 +237,15 @@ def main() -> None:
                     results[name][f"{w}/{mode}"] = r
                     print(f"{name:18} {w} {mode:8} {r['tokens_per_s']:7.1f} tok/s  accepted {r['accepted_tokens']}/"
                           f"{r['draft_tokens']}", flush=True)  # fmt: skip
+        report(args, workloads, results)  # after each engine: a run cut short keeps what it measured
+
+
+def report(args: argparse.Namespace, workloads: list[str], results: dict[str, Any]) -> None:
     ratios: dict[str, Any] = {}
     for w in workloads:
         for mode in ("batch1", "streams"):
             key = f"{w}/{mode}"
-            have = {e: results[e][key]["tokens_per_s"] for e in engines if "tokens_per_s" in results[e].get(key, {})}
+            have = {e: r[key]["tokens_per_s"] for e, r in results.items() if "tokens_per_s" in r.get(key, {})}
             if "ppserve-spec" in have and "ppserve-off" in have:
                 ratios[f"{key}: spec/off"] = have["ppserve-spec"] / have["ppserve-off"]
             llamas = {e: v for e, v in have.items() if e.startswith("llama") and e != "llama-none"}
@@ -250,9 +254,9 @@ def main() -> None:
                 ratios[f"{key}: spec/{best}"] = have["ppserve-spec"] / llamas[best]
     for k, v in ratios.items():
         print(f"{k:40} {v:.2f}x")
-    report = {"benchmark": "speculative decoding", "workloads": {w: NAMES[w] for w in workloads}}
-    report |= {"results": results, "ratios": ratios}
-    print("wrote", write_result(args.out, report, args))
+    out = {"benchmark": "speculative decoding", "workloads": {w: NAMES[w] for w in workloads}}
+    out |= {"results": results, "ratios": ratios}
+    print("wrote", write_result(args.out, out, args))
 
 
 if __name__ == "__main__":
