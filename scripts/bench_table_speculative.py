@@ -40,13 +40,12 @@ def table_speculative(r: Sequence[Result]) -> list[str]:
                     num(off["tokens_per_s"]),
                     bold(f"{num(ratio, 2)}x", ratio >= target),
                     kept,
-                    num(llamas["llama-none"]) if "llama-none" in llamas else "",
                     f"{num(lookups[best])} ({best.removeprefix('llama-')})" if best else "",
                     f"{num(spec['tokens_per_s'] / lookups[best], 2)}x" if best else "",
                 ]
             )
     header = ["workload", "ppserve, drafts", "ppserve, off", "drafts / off", "drafts kept"]
-    header += ["llama-server, none", "llama-server, best lookup", "ppserve drafts / best lookup"]
+    header += ["llama-server, best lookup", "ppserve drafts / best lookup"]
     return markdown(header, rows)
 
 

@@ -39,6 +39,7 @@ from bench_table_peers import (  # noqa: E402
     table_peers_targets,
 )
 from bench_table_quant import table_quant_kernels, table_quant_perplexity  # noqa: E402
+from bench_table_speculative import table_speculative, table_speculative_pp2  # noqa: E402
 from bench_table_structured import table_grammar_engines, table_structured  # noqa: E402
 
 
@@ -431,6 +432,8 @@ TABLES: dict[str, Table] = {
     "grammar_engines": Table(("grammar_engines.json",), table_grammar_engines),
     "big_model": Table(("big_model.json",), table_big_model),
     "big_model_speed": Table(("big_model.json",), table_big_model_speed),
+    "speculative": Table(("speculative.json",), table_speculative),
+    "speculative_pp2": Table(("speculative.json",), table_speculative_pp2),
 }
 
 
