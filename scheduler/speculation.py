@@ -57,6 +57,7 @@ class StepCost:
     def __init__(self) -> None:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._rows: set[int] = set()
+        self.ratio = self.PRIOR_RATIO  # c / t0
 
     def observe(self, rows: int, seconds: float) -> None:
         if not seconds > 0:
@@ -66,9 +67,9 @@ class StepCost:
         self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
         if len(self._rows) < 2:
             self._rows.add(rows)
+        self.ratio = self._fit()  # once per step here, not once per request where it is read
 
-    @property
-    def ratio(self) -> float:
+    def _fit(self) -> float:
         if len(self._rows) < 2:
             return self.PRIOR_RATIO
         var = self._w * self._xx - self._x * self._x
