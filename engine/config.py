@@ -25,7 +25,7 @@ from ppserve.engine.model.quantized import QUANTIZATIONS
 from ppserve.scheduler.drafter import MODES as SPECULATIVE_MODES
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.scheduler.window_kv import blocks_per_request
-from ppserve.transport.tensor_channel import resolve_kind
+from ppserve.transport.channels import resolve_kind
 
 MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this a step is a prefill chunk, not a decode
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -23,10 +23,11 @@ import msgspec
 from aiohttp import web
 
 from ppserve.scheduler.sampling_params import TokenCount
-from ppserve.server.app import STATE
 from ppserve.server.chat_turn import Reply, Turn
+from ppserve.server.errors import ApiError
 from ppserve.server.limits import decode_request
-from ppserve.server.protocol import ApiError, ChatRequest, ShortText
+from ppserve.server.protocol import ChatRequest, ShortText
+from ppserve.server.state import STATE
 from ppserve.server.streams import sse_response
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}

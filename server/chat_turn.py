@@ -19,10 +19,10 @@ from aiohttp import web
 
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server import tokens, tool_calls
-from ppserve.server.app import STATE, TENANT
 from ppserve.server.limits import check_limits
 from ppserve.server.openai_api import start_chat
 from ppserve.server.protocol import ChatRequest
+from ppserve.server.state import STATE, TENANT
 from ppserve.server.streams import Stream, merge
 
 

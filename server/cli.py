@@ -21,13 +21,14 @@ from ppserve.server.cli_cluster import add_disaggregation_flags, run_loop, serve
 from ppserve.server.cli_engine import add_engine_flags, engine_settings
 from ppserve.server.cli_sampling import add_sampling_flags, constraint_flag, sampling_params
 from ppserve.server.listen import bind_http
+from ppserve.server.version import installed_version
 
 if TYPE_CHECKING:
     from ppserve.engine.async_engine import AsyncEngine
     from ppserve.engine.config import EngineConfig
     from ppserve.engine.outputs import TokenLogprob
     from ppserve.scheduler.sampling_params import SamplingParams
-    from ppserve.server.app import ServerOptions
+    from ppserve.server.state import ServerOptions
 
 EXIT_USAGE = 2
 GENERATE_MAX_TOKENS = 64  # `ppserve generate` without --max-tokens, for a model with no default of its own
@@ -67,19 +68,9 @@ def port(text: str) -> int:
     return value
 
 
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("ppserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ppserve", description="Pipeline-parallel LLM serving engine")
-    parser.add_argument("--version", action="version", version=f"ppserve {version()}")
+    parser.add_argument("--version", action="version", version=f"ppserve {installed_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{generate,serve,router}")
     gen = sub.add_parser("generate", help="one-shot generation from the terminal")
     add_engine_flags(gen)

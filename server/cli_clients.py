@@ -10,8 +10,8 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported when used: `ppserve router` and `--help` need no engine
-    from ppserve.server.app import ServerOptions
     from ppserve.server.limits import RequestLimits
+    from ppserve.server.state import ServerOptions
 
 
 def add_client_flags(serve: argparse.ArgumentParser) -> None:
@@ -102,8 +102,8 @@ def _limits(args: argparse.Namespace) -> RequestLimits:
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """ValueError (a usage error) for a bad key file, limit or timeout."""
-    from ppserve.server.app import ServerOptions
     from ppserve.server.demo import model_name
+    from ppserve.server.state import ServerOptions
 
     api_keys = args.api_key or (_read_key_file(args.api_key_file) if args.api_key_file else [])
     if any(not key.strip() for key in api_keys):

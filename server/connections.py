@@ -35,7 +35,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestHandler
 
-from ppserve.server.protocol import RETRY_AFTER_S, ApiError
+from ppserve.server.errors import ApiError
+from ppserve.server.protocol import RETRY_AFTER_S
 
 log = logging.getLogger("ppserve.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -22,9 +22,10 @@ import msgspec
 from aiohttp import web
 
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.server.app import STATE, TENANT, client_of
+from ppserve.server.errors import ApiError
 from ppserve.server.limits import decode_request
-from ppserve.server.protocol import ApiError, EmbeddingRequest, prompt_list
+from ppserve.server.protocol import EmbeddingRequest, prompt_list
+from ppserve.server.state import STATE, TENANT, client_of
 from ppserve.server.streams import collect
 
 _PARAMS = SamplingParams(max_tokens=1)  # nothing is sampled; the scheduler needs params anyway

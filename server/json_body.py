@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ppserve.server.protocol import MAX_ID_CHARS, ApiError, WsAuth, WsCancel, WsChat, WsGenerate, WsMessage
+from ppserve.server.errors import ApiError
+from ppserve.server.protocol import MAX_ID_CHARS, WsAuth, WsCancel, WsChat, WsGenerate, WsMessage
 
 T = TypeVar("T")
 

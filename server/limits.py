@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from ppserve.server.errors import ApiError
 from ppserve.server.json_body import decode_async
-from ppserve.server.protocol import ApiError, ChatMessage, _Sampling
+from ppserve.server.protocol import ChatMessage, _Sampling
 
 T = TypeVar("T")
 

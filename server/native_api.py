@@ -38,19 +38,12 @@ from aiohttp import WSMsgType, web
 
 from ppserve.engine.outputs import RequestOutput
 from ppserve.server import tokens
-from ppserve.server.app import STATE, TENANT, ServerState, client_key, client_of
+from ppserve.server.errors import ApiError, clip_message
 from ppserve.server.json_body import decode_ws_async, peek_id
 from ppserve.server.limits import check_limits, decode_request
-from ppserve.server.protocol import (
-    DEFAULT_MAX_TOKENS,
-    ApiError,
-    GenerateRequest,
-    WsAuth,
-    WsCancel,
-    WsChat,
-    clip_message,
-)
+from ppserve.server.protocol import DEFAULT_MAX_TOKENS, GenerateRequest, WsAuth, WsCancel, WsChat
 from ppserve.server.security import bearer_token
+from ppserve.server.state import STATE, TENANT, ServerState, client_key, client_of
 from ppserve.server.streams import Collected, Stream, collect, merge, speculative_usage, sse_response
 from ppserve.server.tenants import Tenant
 

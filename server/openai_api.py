@@ -21,9 +21,10 @@ from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.scheduler.sampling_params import MAX_SEED, SamplingParams
 from ppserve.server import tokens, tool_calls
-from ppserve.server.app import STATE, TENANT, ServerState, client_of
+from ppserve.server.errors import ApiError
 from ppserve.server.limits import decode_request
-from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ApiError, ChatRequest, CompletionRequest
+from ppserve.server.protocol import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest
+from ppserve.server.state import STATE, TENANT, ServerState, client_of
 from ppserve.server.streams import Collected, Stream, collect, merge, speculative_usage, sse_response
 
 Body = TypeVar("Body", CompletionRequest, ChatRequest)

@@ -11,7 +11,6 @@ from the /ws operation's `x-websocket-messages`.
 from __future__ import annotations
 
 import functools
-from importlib import metadata
 from typing import Any
 
 import msgspec
@@ -20,7 +19,6 @@ from aiohttp import web
 from ppserve.engine.model.grammar import MAX_CHOICES
 from ppserve.scheduler.sampling_params import FIELDS, MAX_LOGIT_BIAS
 from ppserve.server.anthropic_api import MessagesRequest
-from ppserve.server.app import STATE
 from ppserve.server.limits import RequestLimits
 from ppserve.server.openai_responses import ResponsesRequest
 from ppserve.server.openapi_paths import REF, paths
@@ -58,7 +56,9 @@ from ppserve.server.responses import (
     Version,
     WsEvent,
 )
+from ppserve.server.state import STATE
 from ppserve.server.tool_calls import MAX_TOOLS
+from ppserve.server.version import installed_version
 
 # What the handlers, SamplingParams and the server's RequestLimits check beyond the Structs'
 # types, per field and JSON type. Applied only where the Struct's own schema says nothing
@@ -187,13 +187,6 @@ def _with_null(prop: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}], **annotations}
 
 
-def _version() -> str:
-    try:
-        return metadata.version("ppserve")
-    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "0.0.0"
-
-
 def openapi_schema(limits: RequestLimits | None = None) -> dict[str, Any]:
     """The document, a copy of its own; of the server's settings, only its limits (default:
     RequestLimits()) show in it."""
@@ -211,7 +204,7 @@ def _build(limits: RequestLimits) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {
             "title": "ppserve",
-            "version": _version(),
+            "version": installed_version(),
             "description": "Pipeline-parallel LLM serving: an OpenAI-compatible API, a native /generate, "
             "and a websocket. Errors are ErrorResponse, with the field at fault in `param`. "
             "A server started with an API key wants `Authorization: Bearer <key>` (or `x-api-key: <key>`) "

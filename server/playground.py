@@ -27,8 +27,8 @@ from importlib import resources
 import msgspec
 from aiohttp import web
 
-from ppserve.server.app import STATE
-from ppserve.server.protocol import ApiError
+from ppserve.server.errors import ApiError
+from ppserve.server.state import STATE
 
 WINDOW_S = 10.0  # the span of `stage_busy`, and of the page's lanes
 MAX_INTERVALS = 2000  # per answer, the newest (a poll every 250 ms asks for far fewer)

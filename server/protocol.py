@@ -24,6 +24,7 @@ from ppserve.scheduler.sampling_params import (
     TokenCount,
     TokenId,
 )
+from ppserve.server.errors import ApiError
 from ppserve.server.structured import ResponseFormat, StructuredOutputs
 from ppserve.server.tool_calls import Tool, ToolCall, ToolChoice, calls_schema, check_tools
 
@@ -65,49 +66,6 @@ CacheSalt = Annotated[
         description="only requests with the same cache_salt (and API key) share cached prompt prefixes",
     ),
 ]
-
-
-MAX_MESSAGE_CHARS = 400  # of an error message: those that quote the input quote a bounded part of it
-
-
-def clip_message(message: str) -> str:
-    """`message`, or its head and tail when longer than MAX_MESSAGE_CHARS: an error that quotes
-    a client's input (a 64 KiB grammar, a huge id) must not send it all back, nor log it."""
-    if len(message) <= MAX_MESSAGE_CHARS:
-        return message
-    head, tail = MAX_MESSAGE_CHARS * 2 // 3, MAX_MESSAGE_CHARS // 4
-    return f"{message[:head]} ... [{len(message) - head - tail} characters left out] ... {message[-tail:]}"
-
-
-class ApiError(Exception):
-    """An error answered to the client: status, message (clipped), and the request field at fault."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-    ) -> None:
-        message = clip_message(message)
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-    @property
-    def type(self) -> str:
-        return {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            403: "permission_error",
-            404: "not_found_error",
-            408: "invalid_request_error",
-            413: "invalid_request_error",
-            415: "invalid_request_error",
-            429: "rate_limit_error",
-            503: "service_unavailable",
-        }.get(self.status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

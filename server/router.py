@@ -29,10 +29,10 @@ from aiohttp import web
 
 from ppserve.server import playground
 from ppserve.server.access_log import TrafficLogger
-from ppserve.server.app import PREFILL_HEADER, PREFILL_PROOF_HEADER, ServerOptions, json_errors
 from ppserve.server.client_errors import CLIENT_GONE, quiet_client_errors
 from ppserve.server.connections import CONNECTIONS, ConnectionGuard, GuardedSite, connection_limits, read_body
-from ppserve.server.protocol import ApiError
+from ppserve.server.errors import ApiError, json_errors
+from ppserve.server.state import PREFILL_HEADER, PREFILL_PROOF_HEADER, ServerOptions
 from ppserve.transport.cluster_key import route_proof
 from ppserve.transport.peers import check_address
 

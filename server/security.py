@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from ppserve.server.protocol import ApiError
+from ppserve.server.errors import ApiError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

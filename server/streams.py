@@ -18,7 +18,8 @@ from ppserve.engine.disagg.rooms import DisaggregationError
 from ppserve.engine.outputs import RequestOutput, TokenLogprob
 from ppserve.engine.runtime.stage_pool import StageError
 from ppserve.server.client_errors import CLIENT_GONE
-from ppserve.server.protocol import RETRY_AFTER_S, ApiError
+from ppserve.server.errors import ApiError
+from ppserve.server.protocol import RETRY_AFTER_S
 
 log = logging.getLogger("ppserve.server")
 _json = msgspec.json.Encoder()  # several times faster than json.dumps, for one event per token

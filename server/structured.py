@@ -8,12 +8,12 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ppserve.server.errors import ApiError
+
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 def _error(message: str, field: str) -> Exception:
-    from ppserve.server.protocol import ApiError  # protocol imports these structs
-
     return ApiError(400, message, field)
 
 

@@ -13,10 +13,11 @@ import msgspec
 from aiohttp import web
 
 from ppserve.server import tokens
-from ppserve.server.app import STATE
+from ppserve.server.errors import ApiError
 from ppserve.server.limits import decode_request
-from ppserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, chat_dicts
+from ppserve.server.protocol import DetokenizeRequest, TokenizeRequest, chat_dicts
 from ppserve.server.responses import Detokenized, Tokenized, TokenizerInfo
+from ppserve.server.state import STATE
 
 
 def add_routes(app: web.Application) -> None:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ppserve.engine.model.chat_template import TemplateBudgetError
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.server.protocol import ApiError
+from ppserve.server.errors import ApiError
 
 T = TypeVar("T")
 INLINE_TOKENS = 4096  # token lists up to this long decode as fast as INLINE_CHARS characters encode

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ppserve.server.errors import ApiError
 from ppserve.server.structured import strict_schema
 
 MAX_TOOLS = 128
@@ -67,15 +68,11 @@ class ToolCall(msgspec.Struct):
         try:
             args = json.loads(self.function.arguments)
         except json.JSONDecodeError:
-            from ppserve.server.protocol import ApiError
-
             raise ApiError(400, "a tool call's arguments must be JSON text", "messages") from None
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 
 
 def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
-    from ppserve.server.protocol import ApiError  # protocol imports this module's structs
-
     if tools is None:
         if choice is not None and choice != "none":
             raise ApiError(400, "tool_choice needs tools", "tool_choice")

@@ -14,18 +14,12 @@ from ppserve.scheduler.block_allocator import block_hash, salt_root
 from ppserve.scheduler.request import MAX_CACHE_SALT_CHARS, Request
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from ppserve.server.app import ServerOptions, ServerState
 from ppserve.server.cli import build_parser
 from ppserve.server.cli_clients import _read_key_file
+from ppserve.server.errors import ApiError
 from ppserve.server.json_body import decode, decode_ws
-from ppserve.server.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    GenerateRequest,
-    WsChat,
-    WsGenerate,
-)
+from ppserve.server.protocol import ChatRequest, CompletionRequest, GenerateRequest, WsChat, WsGenerate
+from ppserve.server.state import ServerOptions, ServerState
 from ppserve.server.tenants import ANONYMOUS, Tenants
 from ppserve.transport import messages
 from ppserve.transport.messages import KvTarget, RoomOpen, Sampled, StepResult, WireSamplingParams
@@ -162,7 +156,9 @@ def test_a_request_without_a_tenant_fails_closed(llama_dir: Path) -> None:
     from ppserve.engine.config import EngineConfig
 
     keyed = ServerState(EngineConfig.create(llama_dir), ServerOptions(api_key="a", api_keys=("b",)))
-    assert keyed.options.keys == ("a", "b") and keyed.key_matches(b"b") and not keyed.key_matches(b"c")
+    assert (
+        keyed.options.keys == ("a", "b") and keyed.tenants.match(b"b") is not None and keyed.tenants.match(b"c") is None
+    )
     with pytest.raises(ApiError) as e:
         keyed.cache_salt(None, "x")  # only a handler reached without the auth middleware
     assert e.value.status == 401

@@ -11,7 +11,7 @@ import pytest
 from ppserve.engine.cluster.devices import parse_gpu_ids, shares_a_gpu, stage_gpus
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.model_config import ConfigError
-from ppserve.transport.tensor_channel import resolve_kind
+from ppserve.transport.channels import resolve_kind
 
 
 @pytest.mark.parametrize(

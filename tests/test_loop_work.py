@@ -24,9 +24,10 @@ from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.chat_template import RenderBudget
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server import json_body
-from ppserve.server.app import STATE, ServerOptions, create_app
+from ppserve.server.app import create_app
 from ppserve.server.json_body import decode, decode_async, peek_id
 from ppserve.server.protocol import CompletionRequest
+from ppserve.server.state import STATE, ServerOptions
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = {"role": "user", "content": "hi"}

@@ -16,8 +16,8 @@ from openapi_spec_validator import validate
 from ppserve.engine.config import EngineConfig
 from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.server.app import OPEN_PATHS, create_app
+from ppserve.server.errors import ApiError
 from ppserve.server.openapi import openapi_schema
-from ppserve.server.protocol import ApiError
 from ppserve.server.responses import ErrorResponse
 
 METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}

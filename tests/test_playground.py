@@ -23,8 +23,8 @@ from ppserve.engine.model.kernel_choice import ROWS
 from ppserve.engine.model.linear import KERNELS
 from ppserve.engine.runtime.timeline import Interval, Timeline
 from ppserve.server import native_api
-from ppserve.server.app import STATE, ServerOptions, ServerState
 from ppserve.server.responses import PipelineView, WsEvent
+from ppserve.server.state import STATE, ServerOptions, ServerState
 
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 CONVERSATION = [

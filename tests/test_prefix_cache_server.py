@@ -15,8 +15,9 @@ from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 
 from ppserve.engine.config import EngineConfig
-from ppserve.server.app import STATE, ServerOptions, ServerState, flush_cache
-from ppserve.server.protocol import ApiError
+from ppserve.server.app import flush_cache
+from ppserve.server.errors import ApiError
+from ppserve.server.state import STATE, ServerOptions, ServerState
 
 SYSTEM = "You are a terse assistant for a pipeline-parallel serving engine. " * 12
 BLOCK = 16  # the server's default --block-size

@@ -19,9 +19,9 @@ from live_server import LiveServer
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.server.app import STATE, ServerOptions, ServerState
+from ppserve.server.errors import ApiError
 from ppserve.server.openai_api import completions
-from ppserve.server.protocol import ApiError
+from ppserve.server.state import STATE, ServerOptions, ServerState
 
 TOL = 1e-4
 

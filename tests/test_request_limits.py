@@ -18,11 +18,12 @@ from stand_in_engine import StandInEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.scheduler.sampling_params import SamplingParams
-from ppserve.server.app import STATE, ServerOptions, create_app
+from ppserve.server.app import create_app
 from ppserve.server.cli import build_parser, main
 from ppserve.server.cli_clients import _limits
 from ppserve.server.limits import RequestLimits
 from ppserve.server.openapi import openapi_schema
+from ppserve.server.state import STATE, ServerOptions
 
 LIMITS = RequestLimits(max_stop=3, max_stop_chars=8, max_stop_token_ids=4, max_messages=3, max_content_parts=2)
 COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"

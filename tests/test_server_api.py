@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from live_server import LiveServer
 
-from ppserve.server.protocol import MAX_MESSAGE_CHARS
+from ppserve.server.errors import MAX_MESSAGE_CHARS
 
 pytestmark = pytest.mark.slow
 

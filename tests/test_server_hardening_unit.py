@@ -22,7 +22,7 @@ from live_server import ROOT
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.server import tokens
 from ppserve.server.client_errors import quiet_client_errors
-from ppserve.server.protocol import ApiError
+from ppserve.server.errors import ApiError
 from ppserve.server.security import bearer_token, host_allowed, origin_allowed
 from ppserve.server.streams import sse_response
 

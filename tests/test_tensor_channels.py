@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from ppserve.transport.channels import open_channel
 from ppserve.transport.control import context
 from ppserve.transport.messages import EdgeHeader, Timing
 from ppserve.transport.shm_channel import allocate_ring
-from ppserve.transport.tensor_channel import ChannelSpec, open_channel
+from ppserve.transport.tensor_channel import ChannelSpec
 
 
 class Recording(ThreadPoolExecutor):

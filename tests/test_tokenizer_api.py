@@ -12,7 +12,7 @@ from urllib.parse import quote
 from live_server import LiveServer
 
 from ppserve.engine.model.tokenizer import Tokenizer
-from ppserve.server.cli import version
+from ppserve.server.version import installed_version as version
 
 TEXT = "The pipeline stage — café 東京 🙂"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a stage?"}]

@@ -44,6 +44,7 @@ from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_samp
 from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
 from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses
+from ppserve.transport.channels import open_channel
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
 from ppserve.transport.messages import (
@@ -66,7 +67,7 @@ from ppserve.transport.messages import (
     StepResult,
     Timing,
 )
-from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel, open_channel
+from ppserve.transport.tensor_channel import ChannelSpec, TensorChannel
 
 if TYPE_CHECKING:
     from ppserve.engine.runtime.stage_runner import StageRunner
