@@ -13,6 +13,9 @@
 
 #include "cpu_kernels.h"
 
+#include <cstddef>
+#include <string>
+
 // One linear: y = x @ W.T + b by the GEMM `kind` names, with its packed weight's tensors.
 struct Gemm {
   // 0: float_gemm; 2: float_gemm_silu (float32 only); 4, 8: quant_gemm_q4, _q8; 1: the caller's;
@@ -268,5 +271,71 @@ extern "C" {
 
 PPSERVE_DECODE_STEP(f32, float)
 PPSERVE_DECODE_STEP(bf16, uint16_t)
+
+}  // extern "C"
+
+namespace {
+
+// A field's, argument's or result's type as decode_step.py spells a ctypes type: its kind (p: a
+// pointer, i or u: a signed or unsigned integer, f: floating point, s: a struct, v: void) and its
+// size in bytes.
+template <typename T>
+std::string abi_type() {
+  if constexpr (std::is_void_v<T>) {
+    return "v0";
+  } else {
+    const char kind = std::is_pointer_v<T>         ? 'p'
+                      : std::is_floating_point_v<T> ? 'f'
+                      : std::is_integral_v<T>       ? (std::is_signed_v<T> ? 'i' : 'u')
+                      : std::is_class_v<T>          ? 's'
+                                                    : '?';
+    return kind + std::to_string(sizeof(T));
+  }
+}
+
+// "function NAME RESULT ARGUMENT...": a function's (or function pointer type's) signature.
+template <typename R, typename... A>
+std::string abi_function(const char* name, R (*)(A...)) {
+  std::string line = std::string("function ") + name + " " + abi_type<R>();
+  ((line += " " + abi_type<A>()), ...);
+  return line + "\n";
+}
+
+}  // namespace
+
+// "struct NAME SIZE", then "field NAME FIELD OFFSET TYPE" for each of its fields, in order.
+#define PPSERVE_STRUCT(S) ("struct " #S " " + std::to_string(sizeof(S)) + "\n")
+#define PPSERVE_FIELD(S, F) \
+  ("field " #S " " #F " " + std::to_string(offsetof(S, F)) + " " + abi_type<decltype(S::F)>() + "\n")
+
+extern "C" {
+
+// The structs above and the functions decode_step.py calls, as this build lays them out, one line
+// each: decode_step.py compares its ctypes mirrors of them with this when it loads the library,
+// since a field or argument edited on one side only would otherwise pass values to the wrong
+// places without any error. Every field of every struct, in the order declared.
+const char* decode_step_layout() {
+  static const std::string text =
+      PPSERVE_STRUCT(Gemm) + PPSERVE_FIELD(Gemm, kind) + PPSERVE_FIELD(Gemm, weight) + PPSERVE_FIELD(Gemm, scales) +
+      PPSERVE_FIELD(Gemm, mins) + PPSERVE_FIELD(Gemm, bias) + PPSERVE_FIELD(Gemm, out_features) +
+      PPSERVE_FIELD(Gemm, in_features) +
+      PPSERVE_STRUCT(Layer) + PPSERVE_FIELD(Layer, input_norm) + PPSERVE_FIELD(Layer, post_norm) +
+      PPSERVE_FIELD(Layer, q_norm) + PPSERVE_FIELD(Layer, k_norm) + PPSERVE_FIELD(Layer, qkv) +
+      PPSERVE_FIELD(Layer, out) + PPSERVE_FIELD(Layer, gate_up) + PPSERVE_FIELD(Layer, down) +
+      PPSERVE_FIELD(Layer, window) + PPSERVE_FIELD(Layer, pre_ffn_norm) + PPSERVE_FIELD(Layer, post_ffn_norm) +
+      PPSERVE_FIELD(Layer, gelu) + PPSERVE_FIELD(Layer, group) + PPSERVE_FIELD(Layer, index) +
+      PPSERVE_FIELD(Layer, rope) +
+      PPSERVE_STRUCT(Cache) + PPSERVE_FIELD(Cache, kv) + PPSERVE_FIELD(Cache, slots) + PPSERVE_FIELD(Cache, slot) +
+      PPSERVE_FIELD(Cache, tables) + PPSERVE_FIELD(Cache, lens) + PPSERVE_FIELD(Cache, max_blocks) +
+      PPSERVE_STRUCT(Dims) + PPSERVE_FIELD(Dims, hidden) + PPSERVE_FIELD(Dims, heads) +
+      PPSERVE_FIELD(Dims, kv_heads) + PPSERVE_FIELD(Dims, head_dim) + PPSERVE_FIELD(Dims, eps) +
+      PPSERVE_FIELD(Dims, scale) +
+      PPSERVE_STRUCT(Buffers) + PPSERVE_FIELD(Buffers, normed) + PPSERVE_FIELD(Buffers, qkv) +
+      PPSERVE_FIELD(Buffers, attn) + PPSERVE_FIELD(Buffers, proj) + PPSERVE_FIELD(Buffers, gate_up) +
+      PPSERVE_FIELD(Buffers, act) + PPSERVE_FIELD(Buffers, pending) +
+      abi_function("decode_layers_f32", &decode_layers_f32) + abi_function("decode_layers_bf16", &decode_layers_bf16) +
+      abi_function("LinearFn", LinearFn{});
+  return text.c_str();
+}
 
 }  // extern "C"

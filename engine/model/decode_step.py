@@ -13,13 +13,24 @@ runs one of the library's GEMMs (ppserve's float or quantized GEMM) is called fr
 other (oneDNN's, which bfloat16's float linears run where the CPU lacks AVX-512 BF16) is called back
 here, as the same module on the same input, in buffers this side owns.
 `DecodeStep.build` says None where the step does not apply, and the layers run as modules.
+
+The arguments cross into C++ as ctypes copies of decode_step.cpp's structs, which nothing in ctypes
+compares with the C++ ones. The library therefore describes what it was built with (its
+`decode_step_layout`: each struct's size and fields' offsets and types, the step's and its
+callback's signatures), and `check_library` compares that with the copies here and the ctypes
+signatures of the calls before a step is first built. A library that disagrees is not used: the
+error names each struct, field or function that differs, and the layers run as modules (as
+cpu_kernels.py runs torch ops where the library cannot be built).
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,9 +41,57 @@ from ppserve.engine.model.kernel_choice import ROWS, bucket
 from ppserve.engine.model.linear import AnyLinear, Linear
 from ppserve.engine.model.moe import MoE
 
-if TYPE_CHECKING:  # model.py builds a DecodeStep
+if TYPE_CHECKING:
     from ppserve.engine.model.kv_cache import StageKvCache
-    from ppserve.engine.model.model import DecoderLayer
+
+log = logging.getLogger(__name__)
+
+
+# What the step reads of a stage's decoder layers (engine/model/model.py's DecoderLayer and its
+# modules), described here rather than imported: model.py builds the step, so this module stays
+# below it and the two do not import each other.
+class _Norm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def fast(self) -> bool: ...
+    def kernel_weight(self) -> torch.Tensor: ...
+
+
+class _Attention(Protocol):
+    qkv: AnyLinear
+    out: AnyLinear
+    fast: bool
+    rope: str  # its RoPE table: "global" or "local"
+    window: int | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class _Mlp(Protocol):
+    gate_up: AnyLinear
+    down: AnyLinear
+    fast: bool
+    gelu: bool
+
+
+class FusedLayer(Protocol):
+    """A stage's decoder layer after StageModel.fuse, as the step reads it."""
+
+    @property
+    def self_attn(self) -> _Attention: ...
+    @property
+    def mlp(self) -> _Mlp | MoE: ...
+    @property
+    def input_layernorm(self) -> _Norm: ...
+    def norms(self) -> Sequence[_Norm | None]:
+        """Its norms in decode_step.cpp's order: input, post-attention, q, k, pre- and post-MLP."""
+        ...
+
 
 # A GEMM's `kind` in decode_step.cpp, by the kernel's name in cpu_kernels.PackedGemm; the others
 # are the caller's (kind 1), run through the callback.
@@ -41,6 +100,7 @@ _CALLBACK = 1
 _GGUF = 16  # + the number of parts: engine/model/gguf_quant.py's GGUFLinear
 
 
+# The structs of decode_step.cpp, field for field (check_library holds them to the library's).
 class _Gemm(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -99,6 +159,144 @@ class _Dims(ctypes.Structure):
     ]
 
 
+# decode_step.cpp's structs by name: their mirrors above.
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "Gemm": _Gemm,
+    "Layer": _Layer,
+    "Cache": _Cache,
+    "Dims": _Dims,
+    "Buffers": _Buffers,
+}
+_Field = tuple[str, int, str]  # name, offset, type (as decode_step.cpp's abi_type spells it)
+
+
+class LayoutMismatch(RuntimeError):
+    """The ctypes mirrors here disagree with the library built from decode_step.cpp: the two were
+    edited apart, and a call would pass values to the wrong places."""
+
+
+def _ctype(t: Any) -> str:
+    """A ctypes type (None: void) as decode_step.cpp's abi_type spells the C type it stands for."""
+    if t is None:
+        return "v0"
+    size = ctypes.sizeof(t)
+    if issubclass(t, ctypes.Structure):
+        return f"s{size}"
+    if issubclass(t, (ctypes.c_void_p, ctypes.c_char_p, ctypes._Pointer, _ctypes.CFuncPtr)):
+        return f"p{size}"
+    if issubclass(t, (ctypes.c_float, ctypes.c_double)):
+        return f"f{size}"
+    code = getattr(t, "_type_", None)
+    if isinstance(code, str) and len(code) == 1 and code in "bBhHiIlLqQ":
+        return f"{'u' if code.isupper() else 'i'}{size}"
+    return f"?{size}"
+
+
+def _fields(struct: type[ctypes.Structure]) -> list[_Field]:
+    """A Structure's fields in the order ctypes lays them out (a subclass's after its bases')."""
+    fields = [f for cls in reversed(struct.__mro__) for f in vars(cls).get("_fields_", ())]
+    return [(name, getattr(struct, name).offset, _ctype(ctype)) for name, ctype, *_ in fields]
+
+
+def _parse(layout: str) -> tuple[dict[str, tuple[int, list[_Field]]], dict[str, list[str]]]:
+    """decode_step_layout's text: the structs (size, fields) and the functions (result, arguments)."""
+    structs: dict[str, tuple[int, list[_Field]]] = {}
+    functions: dict[str, list[str]] = {}
+    for line in layout.splitlines():
+        kind, name, *rest = line.split()
+        if kind == "struct":
+            structs[name] = (int(rest[0]), [])
+        elif kind == "field":
+            structs[name][1].append((rest[0], int(rest[1]), rest[2]))
+        elif kind == "function":
+            functions[name] = rest
+    return structs, functions
+
+
+def _field(field: _Field | None) -> str:
+    return "none" if field is None else f"`{field[0]}` at {field[1]} ({field[2]})"
+
+
+def _struct_mismatches(name: str, size: int, fields: list[_Field], mirror: type[ctypes.Structure]) -> list[str]:
+    """Where decode_step.cpp's struct `name` (its size and fields) and its mirror differ."""
+    problems = []
+    if ctypes.sizeof(mirror) != size:
+        problems.append(f"struct {name}: {size} bytes in decode_step.cpp, {ctypes.sizeof(mirror)} in {mirror.__name__}")
+    mirrored = _fields(mirror)
+    for i in range(max(len(fields), len(mirrored))):
+        c, py = (f[i] if i < len(f) else None for f in (fields, mirrored))
+        if c != py:
+            problems.append(
+                f"struct {name}, field {i}: {_field(c)} in decode_step.cpp, {_field(py)} in {mirror.__name__}"
+            )
+    return problems
+
+
+def mismatches(
+    layout: str,
+    structs: Mapping[str, type[ctypes.Structure]],
+    functions: Mapping[str, tuple[Any, Sequence[Any] | None]],
+) -> list[str]:
+    """Where `layout` (decode_step.cpp's decode_step_layout) and the mirrors disagree: `structs`, by
+    the C struct's name; `functions`, by name, the ctypes (restype, argtypes) the calls go through."""
+    c_structs, c_functions = _parse(layout)
+    problems = []
+    for name in sorted(c_structs.keys() | structs.keys()):
+        mirror = structs.get(name)
+        if mirror is None or name not in c_structs:
+            problems.append(f"struct {name}: " + ("no mirror here" if mirror is None else "not in decode_step.cpp"))
+        else:
+            problems += _struct_mismatches(name, *c_structs[name], mirror)
+    for name in sorted(c_functions.keys() | functions.keys()):
+        signature = ["not called here"]
+        if name in functions:
+            restype, argtypes = functions[name]
+            signature = [_ctype(restype), *map(_ctype, argtypes or [])]
+        c_signature = c_functions.get(name, ["not in decode_step.cpp"])
+        if c_signature != signature:
+            c, py = (" ".join(types) for types in (c_signature, signature))
+            problems.append(f"function {name}: ({c}) in decode_step.cpp, ({py}) in its ctypes types")
+    return problems
+
+
+def check_library(
+    dll: ctypes.CDLL,
+    structs: Mapping[str, type[ctypes.Structure]] = STRUCTS,
+    functions: Mapping[str, tuple[Any, Sequence[Any] | None]] | None = None,
+) -> None:
+    """Raises LayoutMismatch, naming every struct, field and function that differs, where the library
+    (as decode_step.cpp was built into it) and the mirrors disagree. `functions` by default: the
+    library's decode steps with the types cpu_kernels.py gave them, and the callback's (LINEAR_FN)."""
+    if not hasattr(dll, "decode_step_layout"):
+        raise LayoutMismatch(f"{dll._name} has no decode_step_layout: it was built from another decode_step.cpp")
+    dll.decode_step_layout.argtypes, dll.decode_step_layout.restype = [], ctypes.c_char_p
+    layout = dll.decode_step_layout().decode()
+    if functions is None:
+        steps = [getattr(dll, f"decode_layers_{s}") for s in cpu_kernels.KERNEL_DTYPES.values()]
+        callback = cpu_kernels.LINEAR_FN
+        functions = {fn.__name__: (fn.restype, fn.argtypes) for fn in steps}
+        functions["LinearFn"] = (callback._restype_, callback._argtypes_)
+    problems = mismatches(layout, structs, functions)
+    if problems:
+        raise LayoutMismatch("decode_step.py's ctypes mirrors disagree with decode_step.cpp: " + "; ".join(problems))
+
+
+@functools.cache  # once per library loaded (cpu_kernels.configure may load another)
+def _agrees(dll: ctypes.CDLL) -> bool:
+    try:
+        check_library(dll)
+    except LayoutMismatch as e:
+        log.error("%s. The decode step runs as modules instead", e)
+        return False
+    return True
+
+
+def library_agrees() -> bool:
+    """Whether the loaded library's decode step takes what this module passes (else it is not used)."""
+    dll = cpu_kernels.load()
+    return dll is not None and _agrees(dll)
+
+
 def _gemm(linear: torch.nn.Module) -> _Gemm:
     """A `Linear` or `QuantLinear` (engine/model/linear.py, quantized.py) as decode_step.cpp takes it:
     one of the library's GEMMs, or else the caller's."""
@@ -115,7 +313,7 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
-def _linears(layer: DecoderLayer) -> list[AnyLinear]:
+def _linears(layer: FusedLayer) -> list[AnyLinear]:
     """A layer's linears in decode_step.cpp's order (LinearFn's `which`)."""
     mlp = layer.mlp
     assert not isinstance(mlp, MoE)  # such a layer is the modules' (DecodeStep.build)
@@ -127,7 +325,7 @@ class DecodeStep:
 
     def __init__(
         self,
-        layers: Sequence[DecoderLayer],
+        layers: Sequence[FusedLayer],
         structs: Sequence[_Layer],
         dims: _Dims,
         dtype: torch.dtype,
@@ -164,13 +362,13 @@ class DecodeStep:
         self.callback = cpu_kernels.LINEAR_FN(self._linear)  # kept: C++ holds its pointer during the call
 
     @classmethod
-    def build(cls, layers: Sequence[DecoderLayer]) -> DecodeStep | None:
+    def build(cls, layers: Sequence[FusedLayer]) -> DecodeStep | None:
         """From a stage's fused layers, or None where some layer's kernels are not all the library's
         (then the modules run)."""
         if not layers:
             return None
         dtype = layers[0].input_layernorm.weight.dtype
-        if cpu_kernels.decode_layers(dtype) is None:
+        if cpu_kernels.decode_layers(dtype) is None or not library_agrees():
             return None
         structs: list[_Layer] = []
         keep: list[torch.Tensor] = []
