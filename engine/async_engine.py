@@ -29,8 +29,8 @@ import zmq
 
 from ppserve.engine.client_share import ClientShares
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.disagg.decode import DecodeRooms
-from ppserve.engine.disagg.prefill import PrefillRooms
+from ppserve.engine.disagg.connector import open_connector
+from ppserve.engine.disagg.rooms import Connector, RoomHost
 from ppserve.engine.model.grammar_check import GrammarChecker
 from ppserve.engine.model.tokenizer import Tokenizer
 from ppserve.engine.outputs import EngineStats, RequestOutput
@@ -74,7 +74,7 @@ class AsyncEngine:
         self._budget = RestartBudget(config.max_stage_restarts, config.stage_restart_window_s)
         self._recovery: asyncio.Task[None] | None = None
         self.unavailable: NoRoomError | None = None  # Ray has no room for a lost stage (yet): requests fail
-        self.rooms: PrefillRooms | DecodeRooms | None = None  # disaggregation (engine/disagg/rooms.py)
+        self.rooms: Connector | None = None  # disaggregation (engine/disagg/rooms.py)
         self._progress = asyncio.Event()  # set when requests finish (for `drain`)
         self._closed = False
         self._shares = ClientShares(config.max_requests_per_client)  # requests each client holds
@@ -115,11 +115,17 @@ class AsyncEngine:
         cfg = self.config
         if cfg.disaggregation and (faults := cfg.disagg_faults) is not None and faults.active:
             log.warning("%s", faults.describe())  # loudly: its stages inject these faults
-        if cfg.disaggregation == "prefill":
-            self.rooms = PrefillRooms(self)
-        elif cfg.disaggregation == "decode":
-            self.rooms = DecodeRooms(self)
-        else:
+        host = RoomHost(
+            cfg,
+            self.scheduler.handover,
+            send_to=lambda stage, msg: self.pool.send_to(stage, msg),
+            kv_addresses=lambda: list(self.pool.kv_addresses),
+            check_request=self.check_request,
+            generate=self.generate,
+            wake=self.wake,
+        )
+        self.rooms = open_connector(host)
+        if self.rooms is None:
             return
         pool.on_kv_status = self.rooms.on_kv_status
         self._supervise(asyncio.create_task(self.rooms.serve()), f"{cfg.disaggregation} room server")
@@ -271,10 +277,10 @@ class AsyncEngine:
         raise AssertionError("a request's outputs end with a finished one")
 
     async def _prefill_remotely(self, stream: RequestStream, prefill: str) -> None:
-        if not isinstance(self.rooms, DecodeRooms):
+        if self.rooms is None:
             raise ValueError("prefilling elsewhere needs an engine in disaggregation mode 'decode'")
         first = await self.rooms.prefill_remotely(stream.request, prefill)
-        if self.scheduler.activate(stream.request.request_id, first.token_id) is None:
+        if first is None:
             return  # aborted meanwhile: the stream ends with what abort put in it
         self._push(stream, first)
         self._progress.set()

@@ -54,7 +54,7 @@ class Request:
     announced: bool = False
     num_blocks_sent: int = 0
     # Prefill/decode disaggregation: on the prefill side, the KV outlives the request until its
-    # transfer is done (`Scheduler.release_held`).
+    # transfer is done (`KvHandover.release`).
     hold_kv: bool = False
     # Bytes the last stage's compiled grammar costs (engine/model/grammar_check.py), for its cache.
     grammar_cost: int = 0

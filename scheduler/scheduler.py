@@ -51,7 +51,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ppserve.scheduler.chunk_predictor import ChunkSizePredictor
-from ppserve.scheduler.handover import Handover
+from ppserve.scheduler.handover import KvHandover
 from ppserve.scheduler.kv_groups import CachedPrefix, KvGroups
 from ppserve.scheduler.latency_tracker import LatencyTracker
 from ppserve.scheduler.prefix_cache import PrefixCache
@@ -95,7 +95,7 @@ class _InFlight:
     decode_rows: int  # the plan's rows when it is decode steps only (a step-cost sample), else 0
 
 
-class Scheduler(Handover):
+class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         if config.chunked_prefill_size < 1 or config.max_batched_tokens < 1 or config.max_running_requests < 1:
             raise ValueError("chunked_prefill_size, max_batched_tokens and max_running_requests must be >= 1")
@@ -109,10 +109,8 @@ class Scheduler(Handover):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.inflight: dict[int, _InFlight] = {}
-        # Disaggregation. Prefill side: finished requests whose KV is still being sent. Decode
-        # side: requests whose blocks are reserved while their KV arrives.
-        self.held: dict[str, Request] = {}
-        self.receiving: dict[str, Request] = {}
+        # Disaggregation: requests whose KV is held for export or still on its way here.
+        self.handover = KvHandover(self.kv, self.requests, self.running, self._free)
         self._next_mb = 0
         self._kv_stalled = False  # the last pass over the running requests left one without KV blocks
         self._released: list[str] = []  # announced requests the stages may forget
@@ -144,9 +142,7 @@ class Scheduler(Handover):
         if r in self.waiting:
             self.waiting.remove(r)
         r.finish_reason = reason
-        r.hold_kv = False  # an ended prefill has nothing to send: its KV is freed, never held
-        if self.receiving.pop(request_id, None) is not None:
-            self._free(r)  # its KV never arrived: nothing reads or writes the blocks here
+        if self.handover.forget(r):  # its KV never arrived: its blocks are freed already
             return r
         self._finish(r)
         return r
@@ -438,9 +434,7 @@ class Scheduler(Handover):
             self._free(r)
 
     def _free(self, r: Request) -> None:
-        if r.hold_kv:  # its KV is still to be sent: the blocks stay until release_held
-            self.held[r.request_id] = r
-        else:
+        if not self.handover.keeps(r):  # else its KV is still to be sent: the blocks stay
             self.kv.free(r)
             r.num_blocks_sent = 0
         if self.requests.pop(r.request_id, None) is not None and r.announced:
@@ -473,15 +467,11 @@ class Scheduler(Handover):
 
     def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Request]:
         """Everything waiting, running, held or receiving ends (a stage died); returns them."""
-        ended = list(self.waiting) + list(self.running) + list(self.receiving.values())
         # Those that ended with a plan still in flight are freed too: nothing writes their blocks now.
         lingering = [r for r in self.requests.values() if r.finished]
-        self.receiving.clear()
-        for r in [*self.held.values(), *ended, *lingering]:
+        ended = list(self.waiting) + list(self.running) + self.handover.fail_all()
+        for r in [*ended, *lingering]:
             r.hold_kv = False
-        for r in self.held.values():
-            self._free(r)
-        self.held.clear()
         for r in ended:
             r.finish_reason = reason
         self.waiting.clear()

@@ -43,7 +43,7 @@ def pipeline(model_dir: Path, pp_size: int = 1, **kwargs: object) -> OfflineEngi
 
 def prefill_here(pipe: OfflineEngine, prompt: list[int], params: SamplingParams) -> tuple[Request, int]:
     """A prefill server's part of a request: the prompt and its first token, the KV kept for a
-    transfer (`release_held` gives it back). Returns the request and that token."""
+    transfer (`KvHandover.release` gives it back). Returns the request and that token."""
     r = pipe.request(prompt, replace(params, max_tokens=1))
     r.hold_kv = True
     pipe.run([r])

@@ -125,8 +125,8 @@ def test_a_new_table_replaces_one_left_under_a_reused_id() -> None:
 def test_disaggregated_decode_sends_the_reserved_table_once() -> None:
     s = make(blocks=8)
     r = req("d", 9, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    reserved = s.reserve_prefilled(r)
-    assert reserved is not None and s.activate("d", 77) is r
+    reserved = s.handover.reserve(r)
+    assert reserved is not None and s.handover.activate("d", 77) is r
     stage = Stage()
     first = True
     while (plan := s.schedule()) is not None:

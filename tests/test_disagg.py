@@ -64,7 +64,7 @@ async def test_decode_continues_exactly(
             got = [await collect(d, prompt, params, at) for prompt in prompts]
             assert got == expected
         assert d.scheduler.allocator.num_free == 128 and p.scheduler.allocator.num_free == 128
-        assert not p.scheduler.held and not d.scheduler.receiving
+        assert not p.scheduler.handover.held and not d.scheduler.handover.receiving
 
 
 async def test_a_refused_room_fails_cleanly_on_both_sides(llama_dir: Path) -> None:
@@ -72,7 +72,7 @@ async def test_a_refused_room_fails_cleanly_on_both_sides(llama_dir: Path) -> No
         assert p.rooms is not None
         with pytest.raises(DisaggregationError, match=r"the prefill side refused the room: .*blocks of 16"):
             await collect(d, [1, 2, 3], GREEDY, p.rooms.address)
-        assert d.scheduler.allocator.num_free == 128 and not d.scheduler.receiving
+        assert d.scheduler.allocator.num_free == 128 and not d.scheduler.handover.receiving
         # The decode engine still serves on its own.
         assert len([t async for out in d.generate([1, 2, 3], GREEDY) for t in out.token_ids]) == 12
 
@@ -107,8 +107,8 @@ async def test_injected_faults_end_the_room_on_both_sides_with_its_state(
             with pytest.raises(DisaggregationError, match=message):
                 await collect(d, [5, 6, 7, 8], GREEDY, rooms.address)
             await _settles(
-                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.receiving,
-                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms,
+                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.handover.receiving,
+                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.handover.held and not rooms.rooms,
             )
 
 
@@ -127,8 +127,8 @@ async def test_a_client_gone_mid_room_frees_the_kv_on_both_sides(
             with pytest.raises(asyncio.CancelledError):
                 await task
             await _settles(
-                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.receiving,
-                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms,
+                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.handover.receiving,
+                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.handover.held and not rooms.rooms,
             )
             assert len(await collect(d, [1, 2, 3], GREEDY, rooms.address)) == 12  # and the pair serves on
 
@@ -161,8 +161,8 @@ async def test_chaos_every_request_is_exact_or_fails_clearly(llama_dir: Path, mo
         assert [r for r, e in zip(results, expected, strict=True) if not isinstance(r, str) and r != e] == []
         assert len(failed) < len(results) // 2  # most get through
         await _settles(
-            lambda: d.scheduler.allocator.num_free == 512 and not d.scheduler.receiving,
-            lambda: p.scheduler.allocator.num_free == 512 and not p.scheduler.held and not rooms.rooms,
+            lambda: d.scheduler.allocator.num_free == 512 and not d.scheduler.handover.receiving,
+            lambda: p.scheduler.allocator.num_free == 512 and not p.scheduler.handover.held and not rooms.rooms,
             timeout_s=30,
         )
         assert p.healthy and d.healthy and p.stage_restarts == [0, 0] and d.stage_restarts == [0, 0]
@@ -186,8 +186,8 @@ async def test_a_prefill_stage_killed_mid_transfer_fails_the_room_and_frees_the_
             with pytest.raises(DisaggregationError, match=r"prefill stage 1 failed in state Transferring: timed out"):
                 await task
             await _settles(
-                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.receiving,
-                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms,
+                lambda: d.scheduler.allocator.num_free == 128 and not d.scheduler.handover.receiving,
+                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.handover.held and not rooms.rooms,
                 timeout_s=30,
             )
             await _settles(lambda: p.stage_restarts == [0, 1] and not p.recovering, timeout_s=60)
@@ -216,7 +216,9 @@ async def test_a_decode_side_that_vanishes_leaves_the_prefill_side_clean(llama_d
             assert next(r for r in replies if isinstance(r, RoomFirstToken)).room == "lost"
             # Nobody took the KV: the transfer failed (never reported as done), and says where.
             assert re.match(r"prefill stage \d failed in state Transferring: .*took no KV for 2 s", replies[-1].error)
-            await _settles(lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.held and not rooms.rooms)
+            await _settles(
+                lambda: p.scheduler.allocator.num_free == 128 and not p.scheduler.handover.held and not rooms.rooms
+            )
             assert p.healthy and p.stage_restarts == [0, 0]
         finally:
             link.close()

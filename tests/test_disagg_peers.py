@@ -269,8 +269,10 @@ async def _fuzz(llama_dir: Path, keyed: bool) -> None:
             # are still on their way when the first have long been decided), and all are freed.
             await _settles(
                 lambda: len(opened) == kinds["room"] + kinds["valid"],
-                lambda: p.scheduler.allocator.num_free == NUM_BLOCKS and not rooms.rooms and not p.scheduler.held,
-                lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving,
+                lambda: (
+                    p.scheduler.allocator.num_free == NUM_BLOCKS and not rooms.rooms and not p.scheduler.handover.held
+                ),
+                lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.handover.receiving,
             )
             # Still serving, exactly; nothing restarted; within bounds.
             assert await collect(d, PROMPT, GREEDY, rooms.address) == expected
@@ -319,7 +321,7 @@ async def test_a_prefill_server_that_dies_fails_its_rooms_within_the_bootstrap_t
                 r"prefill stage 0 failed in state Bootstrapping: no word from the prefill server at \S+ for 5 s",
                 str(failed.value),
             ), failed.value
-            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
+            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.handover.receiving)
     finally:
         await p.close()
 
@@ -450,7 +452,7 @@ async def test_a_first_token_outside_the_vocabulary_fails_the_room_not_the_decod
             await reply.send(RoomFirstToken(opened.room, Sampled(opened.room, vocab + 7)))
             with pytest.raises(DisaggregationError, match=r"first token is outside this model's vocabulary"):
                 await room
-            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.receiving)
+            await _settles(lambda: d.scheduler.allocator.num_free == NUM_BLOCKS and not d.scheduler.handover.receiving)
             assert d.healthy and d.stage_restarts == [0]
             assert [t async for out in d.generate(PROMPT, GREEDY) for t in out.token_ids] == expected
         finally:

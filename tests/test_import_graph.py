@@ -88,3 +88,70 @@ def test_the_checker_sees_imports() -> None:
     assert "ppserve.engine.config" in imports(
         "ppserve.engine.runtime.stage_worker", names["ppserve.engine.runtime.stage_worker"]
     )
+
+
+def graph() -> dict[str, set[str]]:
+    """Each module -> the modules of ours it imports (`from pkg import name` counts as pkg.name
+    where that is a module, else as pkg)."""
+    names = modules()
+
+    def owner(m: str) -> str | None:
+        while m and m not in names:
+            m = m.rpartition(".")[0]
+        return m or None
+
+    return {n: {o for m in imports(n, p) if (o := owner(m)) is not None and o != n} for n, p in names.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """A circle of imports makes the order modules load in matter and hides which one owns what:
+    any import counts, at the top, in a function or under TYPE_CHECKING."""
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+    assert cycles(edges) == [["a", "b", "c"], ["d", "e"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -59,13 +59,13 @@ def test_decode_continues_exactly_after_a_transfer(
     assert first == expected[0]
 
     d = dst.request(prompt, params, "d")
-    blocks = dst.scheduler.reserve_prefilled(d)
+    blocks = dst.scheduler.handover.reserve(d)
     assert blocks is not None and blocks != p.block_table
     for s in layer_slices(src.config.layer_ranges, dst.config.layer_ranges):
         src_cache, dst_cache = src.executor.runners[s.src].kv_cache, dst.executor.runners[s.dst].kv_cache
         data = read_blocks(src_cache, src.config.layer_ranges[s.src], s.layers, p.block_table)
         write_blocks(dst_cache, dst.config.layer_ranges[s.dst], s.layers, blocks, data)
-    assert src.scheduler.release_held(p.request_id)
-    dst.scheduler.activate(d.request_id, first)
+    assert src.scheduler.handover.release(p.request_id)
+    dst.scheduler.handover.activate(d.request_id, first)
     dst.run([d])
     assert d.output_token_ids == expected

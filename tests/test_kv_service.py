@@ -106,7 +106,7 @@ async def test_prefill_stages_hand_their_kv_to_differently_cut_decode_stages(lla
     try:
         p, first = await pair.prefill()
         d = pair.dst.request(PROMPT, PARAMS, "room-1")
-        blocks = pair.dst.scheduler.reserve_prefilled(d)
+        blocks = pair.dst.scheduler.handover.reserve(d)
         assert blocks is not None
         for importer in pair.importers:
             importer.expect("room-1", blocks)
@@ -117,8 +117,8 @@ async def test_prefill_stages_hand_their_kv_to_differently_cut_decode_stages(lla
             await exporter.export("room-1", p.block_table)
         assert {s.stage for s in await pair.wait_for(3, "Success")} == {0, 1, 2}
         assert {s.stage for s in await pair.wait_for(2, "Received")} == {0, 1}
-        assert pair.src.scheduler.release_held(p.request_id)
-        pair.dst.scheduler.activate(d.request_id, first)
+        assert pair.src.scheduler.handover.release(p.request_id)
+        pair.dst.scheduler.handover.activate(d.request_id, first)
         await pair.dst.serve([d])
         assert d.output_token_ids == expected
     finally:

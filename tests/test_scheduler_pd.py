@@ -18,17 +18,17 @@ def test_prefill_side_holds_the_kv_until_it_is_sent() -> None:
         complete(s, plan, token=42)
     assert r.finished and r.output_token_ids == [42]
     assert r.block_table and s.allocator.num_free == 8 - 3  # 10 tokens in blocks of 4
-    assert s.held == {"p": r} and not s.has_work
-    assert s.release_held("p") and s.allocator.num_free == 8 and not r.block_table
-    assert not s.release_held("p")
+    assert s.handover.held == {"p": r} and not s.has_work
+    assert s.handover.release("p") and s.allocator.num_free == 8 and not r.block_table
+    assert not s.handover.release("p")
 
 
 def test_decode_side_reserves_blocks_then_decodes_from_the_first_token() -> None:
     s = make(blocks=8)
     r = req("d", 9, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    blocks = s.reserve_prefilled(r)
+    blocks = s.handover.reserve(r)
     assert blocks == r.block_table and len(blocks) == 3 and s.schedule() is None  # nothing to do yet
-    assert s.activate("d", 77) is r
+    assert s.handover.activate("d", 77) is r
     plan = s.schedule()
     assert plan is not None
     [chunk] = plan.chunks
@@ -43,15 +43,15 @@ def test_decode_side_reserves_blocks_then_decodes_from_the_first_token() -> None
 
 def test_decode_side_reservations_fail_cleanly() -> None:
     s = make(blocks=4)
-    assert s.reserve_prefilled(req("big", 20)) is None and s.allocator.num_free == 4  # does not fit now
+    assert s.handover.reserve(req("big", 20)) is None and s.allocator.num_free == 4  # does not fit now
     done = req("one", 5, SamplingParams(max_tokens=1, temperature=0.0))
-    s.reserve_prefilled(done)
-    assert s.activate("one", 3) is done and done.finished and s.allocator.num_free == 4  # max_tokens 1
+    s.handover.reserve(done)
+    assert s.handover.activate("one", 3) is done and done.finished and s.allocator.num_free == 4  # max_tokens 1
     gone = req("gone", 5)
-    s.reserve_prefilled(gone)
+    s.handover.reserve(gone)
     assert s.abort("gone") is gone and s.allocator.num_free == 4  # aborted while its KV was coming
-    assert s.activate("gone", 3) is None
-    s.reserve_prefilled(req("dead", 5))
+    assert s.handover.activate("gone", 3) is None
+    s.handover.reserve(req("dead", 5))
     held = req("held", 5, SamplingParams(max_tokens=1, temperature=0.0))
     held.hold_kv = True
     s.add(held)
@@ -60,4 +60,4 @@ def test_decode_side_reservations_fail_cleanly() -> None:
     complete(s, plan)
     assert s.allocator.num_free == 0
     ended = s.fail_all()
-    assert [r.request_id for r in ended] == ["dead"] and s.allocator.num_free == 4 and not s.held
+    assert [r.request_id for r in ended] == ["dead"] and s.allocator.num_free == 4 and not s.handover.held

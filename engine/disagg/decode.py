@@ -9,7 +9,6 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -17,7 +16,9 @@ from ppserve.engine.disagg.rooms import (
     PROGRESS_S,
     TICK_S,
     UNDELIVERED,
+    Connector,
     DisaggregationError,
+    RoomHost,
     RoomTasks,
     log,
     room_guard,
@@ -41,9 +42,6 @@ from ppserve.transport.messages import (
 )
 from ppserve.transport.peers import AddressError, LogLimiter, PeerLinks, check_address
 
-if TYPE_CHECKING:
-    from ppserve.engine.async_engine import AsyncEngine
-
 
 @dataclass
 class _DecodeRoom:
@@ -62,12 +60,12 @@ class _DecodeRoom:
             self.done.set()
 
 
-class DecodeRooms:
+class DecodeRooms(Connector):
     """A decode engine's rooms: reserves the KV, asks a prefill engine for it, decodes on."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        cfg = self.config = engine.config
+    def __init__(self, host: RoomHost) -> None:
+        self.host = host
+        cfg = self.config = host.config
         self.ctx = context()
         self.guard = room_guard(self.ctx, cfg.socket_key, "decode host", cfg.disagg_address())
         self.inbox = room_inbox(self.ctx, cfg.disagg_address(), self.guard, cfg.max_model_len)
@@ -124,24 +122,26 @@ class DecodeRooms:
             room.error = f"decode stage {status.stage} failed in state Receiving: {status.error}"
         room.check()
 
-    async def prefill_remotely(self, request: Request, prefill: str) -> Sampled:
+    async def prefill_remotely(self, request: Request, prefill: str) -> Sampled | None:
         """Reserve the request's KV here, have `prefill` compute it; returns the first token once
-        the KV is in. Raises DisaggregationError (everything freed, both sides told)."""
-        name, cfg, pool = request.request_id, self.config, self.engine.pool
+        the KV is in and the request may decode (None: it was aborted meanwhile). Raises
+        DisaggregationError (everything freed, both sides told)."""
+        name, cfg, host = request.request_id, self.config, self.host
         try:
             check_address(prefill, "the prefill server's bootstrap address")
         except AddressError as e:
             raise DisaggregationError(str(e)) from None
         deadline = time.monotonic() + cfg.disagg_bootstrap_timeout_s
-        while (blocks := self.engine.scheduler.reserve_prefilled(request)) is None:
+        while (blocks := host.handover.reserve(request)) is None:
             if time.monotonic() > deadline:
                 raise DisaggregationError("the decode side has no room in its KV cache for the prompt")
             await asyncio.sleep(TICK_S)
         room = self.rooms[name] = _DecodeRoom(cfg.pp_size, time.monotonic())
         try:
             for stage in range(cfg.pp_size):
-                pool.send_to(stage, KvExpect(name, blocks))
-            stages = [KvTarget(i, pool.kv_addresses[i], r.start, r.stop) for i, r in enumerate(cfg.layer_ranges)]
+                host.send_to(stage, KvExpect(name, blocks))
+            addresses = host.kv_addresses()
+            stages = [KvTarget(i, addresses[i], r.start, r.stop) for i, r in enumerate(cfg.layer_ranges)]
             opened = RoomOpen(
                 name,
                 list(request.prompt_token_ids),
@@ -167,10 +167,11 @@ class DecodeRooms:
             if room.error is not None:
                 raise DisaggregationError(room.error)
             assert room.first is not None
-            return room.first
+            # The KV is in: the request decodes from here (unless it was aborted meanwhile).
+            return room.first if host.handover.activate(name, room.first.token_id) is not None else None
         except BaseException:
             for stage in range(cfg.pp_size):
-                pool.send_to(stage, KvForget(name))
+                host.send_to(stage, KvForget(name))
             if not room.from_prefill:
                 failed = RoomFailed(name, room.error or "the decode side's request ended")
                 self.tasks.spawn(self._tell(prefill, failed))

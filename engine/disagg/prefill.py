@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,7 +17,9 @@ from ppserve.engine.disagg.rooms import (
     PROGRESS_S,
     TICK_S,
     UNDELIVERED,
+    Connector,
     DisaggregationError,
+    RoomHost,
     RoomTasks,
     log,
     room_guard,
@@ -45,9 +46,6 @@ from ppserve.transport.messages import (
 )
 from ppserve.transport.peers import LogLimiter, PeerLinks, check_address
 
-if TYPE_CHECKING:
-    from ppserve.engine.async_engine import AsyncEngine
-
 
 def first_token_params(w: WireSamplingParams) -> SamplingParams:
     """The prefill side's request: the decode side's sampling parameters, checked as an HTTP
@@ -70,12 +68,12 @@ class _PrefillRoom:
     task: asyncio.Task[None] | None = None
 
 
-class PrefillRooms:
+class PrefillRooms(Connector):
     """A prefill engine's rooms: admits them centrally, prefills, has the stages send the KV."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        cfg = self.config = engine.config
+    def __init__(self, host: RoomHost) -> None:
+        self.host = host
+        cfg = self.config = host.config
         self.table = BootstrapTable(cfg.pp_size, cfg.disagg_bootstrap_timeout_s, cfg.disagg_transfer_timeout_s)
         self.ctx = context()
         self.guard = room_guard(self.ctx, cfg.socket_key, "prefill host", cfg.disagg_address(cfg.disagg_port))
@@ -140,7 +138,7 @@ class PrefillRooms:
                 for s in slices
                 if s.src == stage
             ]
-            self.engine.pool.send_to(stage, KvBootstrap(msg.room, targets))
+            self.host.send_to(stage, KvBootstrap(msg.room, targets))
 
     def _check(self, msg: RoomOpen) -> tuple[SamplingParams, list[LayerSlice]]:
         """Every field of a room, as a peer sent it: ValueError (or the engine's refusal) says what is wrong."""
@@ -168,7 +166,7 @@ class PrefillRooms:
         slices = layer_slices(cfg.layer_ranges, [range(t.layer_start, t.layer_stop) for t in msg.decode_stages])
         params = first_token_params(msg.params)
         # The prompt's vocabulary, the salt, a queue with room: as for an HTTP request.
-        self.engine.check_request(msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
+        self.host.check_request(msg.prompt_token_ids, params, cache_salt=msg.cache_salt)
         return params, slices
 
     def on_kv_status(self, status: KvStatus) -> None:
@@ -194,13 +192,13 @@ class PrefillRooms:
                 if room.task is not None:
                     room.task.cancel()
                 for stage in self.table.pending(name):
-                    self.engine.pool.send_to(stage, KvForget(name))
+                    self.host.send_to(stage, KvForget(name))
         for r in self.table.release(now):
             gone = self.rooms.pop(r.room, None)
             if gone is not None and r.succeeded:  # all sent: from here, what is missing is the decode side's
                 self._send(gone.open.reply_to, RoomProgress([RoomState(r.room, 0, KvState.SUCCESS.value)]))
-            if self.engine.scheduler.release_held(r.room):
-                self.engine.wake()
+            if self.host.handover.release(r.room):
+                self.host.wake()
 
     def _progress(self) -> None:
         """One RoomProgress per decode host, for its rooms still in progress here."""
@@ -219,20 +217,20 @@ class PrefillRooms:
         try:
             sample = None
             prompt, salt = msg.prompt_token_ids, msg.cache_salt  # the decode side's tenant
-            async for out in self.engine.generate(prompt, room.params, request_id=name, hold_kv=True, cache_salt=salt):
+            async for out in self.host.generate(prompt, room.params, request_id=name, hold_kv=True, cache_salt=salt):
                 if out.token_ids:
                     lp = out.logprobs[0] if out.logprobs else None
                     top = [(t, p) for t, p in lp.top_logprobs] if lp else []
                     sample = Sampled(name, out.token_ids[0], lp.logprob if lp else None, top)
-            held = self.engine.scheduler.held.get(name)
-            if sample is None or held is None:
+            blocks = self.host.handover.held_blocks(name)
+            if sample is None or blocks is None:
                 raise DisaggregationError("the prefill produced no token")
         except Exception as e:  # the room's failure, never the room server's
             self._fail(name, "prefill", None, f"{type(e).__name__}: {e}")
             return
         self._send(msg.reply_to, RoomFirstToken(name, sample))
         for stage in range(self.config.pp_size):
-            self.engine.pool.send_to(stage, KvExport(name, list(held.block_table)))
+            self.host.send_to(stage, KvExport(name, blocks))
         self.table.exported(name, time.monotonic())
 
     def _send(self, peer: str, msg: Msg) -> None:

@@ -26,15 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
+from ppserve.scheduler.handover import KvHandover
+from ppserve.scheduler.request import Request
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket
+from ppserve.transport.messages import ControlMsg, KvStatus, Sampled
 from ppserve.transport.peers import AddressError
+
+if TYPE_CHECKING:
+    from ppserve.engine.config import EngineConfig
+    from ppserve.engine.outputs import RequestOutput
 
 log = logging.getLogger("ppserve.disagg")
 TICK_S = 0.1
@@ -46,6 +55,43 @@ UNDELIVERED = (AddressError, TimeoutError, zmq.ZMQError)  # a reply no peer took
 
 class DisaggregationError(RuntimeError):
     """A room failed: the message names the side, the stage and the state."""
+
+
+@dataclass(frozen=True)
+class RoomHost:
+    """All that a server's rooms may use of their engine (AsyncEngine builds it): the scheduler's
+    side of the handover, the stages' side (KV commands to one stage: engine/disagg/kv_service.py
+    runs them), and the engine's own request path."""
+
+    config: EngineConfig
+    handover: KvHandover  # which requests hold KV for export, which wait for it, when they run
+    send_to: Callable[[int, ControlMsg], None]  # a KvBootstrap/KvExpect/KvExport/KvForget to a stage
+    kv_addresses: Callable[[], list[str]]  # where each stage receives KV (decode side)
+    check_request: Callable[..., None]  # AsyncEngine.check_request: a room is checked as a request is
+    generate: Callable[..., AsyncIterator[RequestOutput]]  # AsyncEngine.generate (prefill side, hold_kv)
+    wake: Callable[[], None]  # blocks were freed outside a step: the scheduler may have work
+
+
+class Connector(ABC):
+    """A server's side of disaggregation as its engine sees it: the engine starts `serve`, routes
+    its stages' KvStatus reports to `on_kv_status`, and (on a decode server) has a request
+    prefilled elsewhere with `prefill_remotely`."""
+
+    address: str  # where peers reach this server's rooms (its bootstrap address)
+
+    @abstractmethod
+    async def serve(self) -> None: ...
+
+    @abstractmethod
+    def on_kv_status(self, status: KvStatus) -> None: ...
+
+    async def prefill_remotely(self, request: Request, prefill: str) -> Sampled | None:
+        """The request's first token once its KV is here and it may decode (None if it was
+        aborted meanwhile); DisaggregationError if the room fails."""
+        raise ValueError("prefilling elsewhere needs an engine in disaggregation mode 'decode'")
+
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 def room_guard(ctx: zmq.asyncio.Context, key: bytes | None, who: str, address: str) -> Guard | None:
