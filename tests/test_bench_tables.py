@@ -1,28 +1,27 @@
-"""The documentation's benchmark tables are what the results JSONs say (scripts/bench_tables.py)."""
+"""The documentation's benchmark tables are what the results JSONs say (`python -m benchmarks tables`)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import tables as bench_tables
+from benchmarks.harness import record as bench_record
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_record  # noqa: E402
-import bench_tables  # noqa: E402
 
 
 def test_every_table_matches_its_json() -> None:
     stale = bench_tables.stale()
-    assert not stale, f"tables that differ from their JSON (run scripts/bench_tables.py): {stale}"
+    assert not stale, f"tables that differ from their JSON (run python -m benchmarks tables): {stale}"
 
 
 def test_every_table_is_shown_once_and_its_sources_exist() -> None:
     shown = [m["name"] for doc in bench_tables.doc_files() for m in bench_tables.MARKER.finditer(doc.read_text())]
-    assert sorted(shown) == sorted(bench_tables.TABLES), "each table in scripts/bench_tables.py, once in the docs"
+    assert sorted(shown) == sorted(bench_tables.TABLES), "each table in benchmarks/tables/, once in the docs"
     for table in bench_tables.TABLES.values():
         for source in table.sources:
             assert (bench_tables.RESULTS / source).is_file(), source

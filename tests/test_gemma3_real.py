@@ -1,5 +1,5 @@
 """The real Gemma 3: google/gemma-3-270m as people download it (llama.cpp's Q4_K_M GGUF,
-scripts/fetch_gemma3.py), served by ppserve.
+benchmarks/fetch_gemma3.py), served by ppserve.
 
 - `--quantization none` (the blocks dequantized as transformers dequantizes them): the greedy
   continuations of six prompts, one of them longer than the 512-token sliding window, are
@@ -7,7 +7,7 @@ scripts/fetch_gemma3.py), served by ppserve.
   rounding) are the chosen tokens' log-probabilities.
 - `--quantization auto` (the blocks kept as they are): the perplexity of the window that
   llama.cpp's `llama-perplexity` scored (benchmarks/results/kquant_reference.json, by
-  scripts/bench_kquant_reference.py: the same token ids, the same scored tokens) is within 1% of
+  benchmarks/kquant_reference.py: the same token ids, the same scored tokens) is within 1% of
   llama.cpp's figure on the same file.
 
 Token ids in, token ids out: no chat template. transformers is loaded once, its references
@@ -20,7 +20,6 @@ import gc
 import inspect
 import json
 import math
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import pytest
 import torch
 from helpers import pipeline
 
+from benchmarks.fetch_gemma3 import gemma3_270m_q4_k_m
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.file_hash import file_sha256
 from ppserve.engine.model.model_config import ConfigError
@@ -40,8 +40,6 @@ from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from fetch_gemma3 import gemma3_270m_q4_k_m  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

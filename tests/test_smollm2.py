@@ -24,14 +24,12 @@ import torch
 from live_server import ROOT, LiveServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks import eval_perplexity
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model.gguf_quant import GGUFLinear
 from ppserve.engine.model.quantized import QuantLinear
 from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.sampling_params import SamplingParams
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import eval_perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -176,7 +174,7 @@ def _prompt_scores(server: LiveServer, ids: list[int], top: int) -> dict[str, An
 def test_prompt_logprobs_equal_transformers(server: LiveServer, reference: Reference, smollm2_gguf: Path) -> None:
     """Scoring a text (echo + logprobs, max_tokens 0): transformers' log-softmax within 1e-4, for a
     text seen for the first time and for one whose prefix the cache holds (a scoring request
-    recomputes it); and the perplexity that scripts/eval_perplexity.py reports within 1e-3."""
+    recomputes it); and the perplexity that `python -m benchmarks eval-perplexity` reports within 1e-3."""
     text = eval_perplexity.TEXT.read_text()
     ids = reference.tokenizer.encode(text, add_special_tokens=False)
     variant = ids[: len(ids) // 2] + reference.tokenizer.encode(" The end of the story.", add_special_tokens=False)
@@ -208,7 +206,7 @@ def test_kept_quantized_demo(smollm2_gguf: Path, reference: Reference) -> None:
     Per token the two differ by about 0.05 of a log-probability either way, so over the 402 tokens
     scored here the perplexities' ratio moves by about 0.35% whenever anything in the float path
     changes by an ulp (which activations round which way to int8 changes). On the 1794-token text
-    of scripts/bench_quant_quality.py the ratio is 0.70-0.72% with a standard error of 0.25%; here
+    of `python -m benchmarks quant-quality` the ratio is 0.70-0.72% with a standard error of 0.25%; here
     it came out anywhere from 0.5% to 1.3% across kernel builds. So the bound is 1% of perplexity
     on the mean per-token difference plus three of its standard errors (about 2% in all): a broken
     quantized kernel is off by far more."""

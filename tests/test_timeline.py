@@ -43,7 +43,7 @@ def test_debug_timeline_metrics_and_plot(llama_dir: Path, tmp_path: Path) -> Non
         saved = tmp_path / "trace.json"
         saved.write_text(json.dumps(trace))
         png = tmp_path / "timeline.png"
-        cmd = [sys.executable, "scripts/plot_timeline.py", "--trace", str(saved), "--out", str(png)]
+        cmd = [sys.executable, "-m", "benchmarks", "plot-timeline", "--trace", str(saved), "--out", str(png)]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=120)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
