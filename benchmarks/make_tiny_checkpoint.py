@@ -1,6 +1,9 @@
 """Write a small random Hugging Face checkpoint (weights, config, tokenizer, chat template).
 
-python -m benchmarks make-tiny-checkpoint --out /tmp/tiny --arch qwen3 --layers 4
+The command line of ppserve.engine.model.tiny_checkpoint.make_tiny_checkpoint (which code calls
+directly, with a TinySpec); the peers' set-up writes its shapes' checkpoints through it.
+
+    python -m benchmarks make-tiny-checkpoint --out /tmp/tiny --arch qwen3 --layers 4
 """
 
 from __future__ import annotations
