@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ppserve.engine.cluster.config import ClusterConfig
-from ppserve.engine.cluster.devices import shares_a_gpu, stage_gpus
+from ppserve.engine.cluster.devices import parse_gpu_ids, shares_a_gpu, stage_gpus
 from ppserve.engine.cluster.ray_config import RayConfig
 from ppserve.engine.disagg.faults import DisaggFaults
 from ppserve.engine.environment import READERS
@@ -22,10 +22,11 @@ from ppserve.engine.model.kv_cache import kv_bytes_per_block, kv_pools, kv_windo
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.partition import partition_layers
 from ppserve.engine.model.quantized import QUANTIZATIONS
+from ppserve.engine.settings import default_of, problems, setting
 from ppserve.scheduler.drafter import MODES as SPECULATIVE_MODES
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.scheduler.window_kv import blocks_per_request
-from ppserve.transport.channels import resolve_kind
+from ppserve.transport.channels import KINDS, resolve_kind
 
 MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this a step is a prefill chunk, not a decode
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,77 +38,229 @@ _SCHEDULER = SchedulerConfig(num_blocks=1, block_size=1, pp_size=1)
 DERIVED = frozenset({"model", "model_config", "layer_ranges", "edge_transports", "stage_gpus", "kv_window"})
 
 
+def parse_latency(text: str) -> tuple[float, float, float]:
+    """`--synthetic-latency A,B,C`."""
+    try:
+        a, b, c = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected three numbers A,B,C, got {text!r}") from None
+    return a, b, c
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What `EngineConfig.create` takes that is no field of the config: it resolves them into
+    fields (layer_ranges, num_kv_blocks, edge_transports, stage_gpus)."""
+
+    layer_partition: str | None = setting(
+        None, "layers per stage, e.g. 3,3,4", metavar="COUNTS", default_text="an even split"
+    )
+    kv_cache_gb: float = setting(
+        1.0, "KV cache memory per stage, GiB (sizes the cache unless num_kv_blocks is given)", gt=0
+    )
+    tensor_transport: str = setting(
+        "auto",
+        "how activations travel between stages (auto: nccl on CUDA with a GPU per stage, shm within a node, else gloo)",
+        choices=KINDS,
+    )
+    gpu_ids: tuple[int, ...] = setting(
+        (),
+        "CUDA devices for the stages, e.g. 2,3; stage k runs on the k-th, neighbouring stages share when there "
+        "are fewer devices than stages",
+        parse=parse_gpu_ids,
+        metavar="IDS",
+        default_text="every visible one",
+    )
+
+
+INPUTS = Inputs()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine runs by, resolved: no "auto" left inside. Build it with `create`."""
+    """Everything the engine runs by, resolved: no "auto" left inside. Build it with `create`.
+    Each setting is declared once, here (engine/settings.py): default, range, help and flag."""
 
     model: str
     model_config: ModelConfig
     layer_ranges: tuple[range, ...]  # per stage
-    dtype: str  # a key of DTYPES
-    num_kv_blocks: int  # per stage; every stage holds the same block ids for its own layers
-    max_model_len: int
-    pp_size: int = 1
-    device: str = "cpu"  # "cpu" or "cuda"
-    block_size: int = 16
+    dtype: str = setting(
+        MISSING, "auto | float32 | bfloat16 | float16", default_text="auto: float32 on CPU, the checkpoint's on CUDA"
+    )  # resolved: a key of DTYPES
+    # Per stage; every stage holds the same block ids for its own layers.
+    num_kv_blocks: int = setting(MISSING, "KV blocks per stage", cli=False, ge=1, default_text="from kv_cache_gb")
+    max_model_len: int = setting(MISSING, "context length", ge=1, default_text="the model's")
+    pp_size: int = setting(1, "pipeline stages", ge=1)
+    device: str = setting("cpu", "where the stages compute", choices=("cpu", "cuda"))
+    block_size: int = setting(16, "tokens per KV block", ge=1)
     # Sliding-window layers keep only the blocks of their window, from a pool of their own
     # (engine/model/kv_cache.py): that group's window, from the model (None: no such group), and its
     # blocks (0: sized with num_kv_blocks from kv_cache_gb, or as many as num_kv_blocks where given).
     kv_window: int | None = _SCHEDULER.kv_window
-    num_window_blocks: int = _SCHEDULER.num_window_blocks
-    # Weight-only quantized linears (engine/model/quantized.py): "auto" keeps a GGUF's Q8_0, Q4_0 and
-    # Q4_1 weights so; "none" runs every weight in `dtype`; "int8" quantizes every linear to int8.
-    quantization: str = "auto"
+    num_window_blocks: int = setting(
+        _SCHEDULER.num_window_blocks, "KV blocks of the sliding-window layers per stage", cli=False, ge=0
+    )
+    quantization: str = setting(
+        "auto",
+        "weight-only quantized linears (engine/model/quantized.py): auto keeps a GGUF's Q8_0/Q4_0/Q4_1 weights "
+        "quantized (int8, int4), none dequantizes every weight to --dtype, int8 quantizes every linear to int8",
+        choices=QUANTIZATIONS,
+    )
     # Runtime (pipeline) settings.
     edge_transports: tuple[str, ...] = ()  # per edge (stage i -> i + 1), resolved: shm | gloo | nccl | zmq
-    max_running_requests: int = _SCHEDULER.max_running_requests
-    max_waiting_requests: int = 4096  # queued beyond this: new requests are refused (HTTP 503)
-    # Running and waiting requests one client may hold (an API key, or a connection where there is
-    # none): past it, its new requests are refused (HTTP 429), so that no client can fill the queue
-    # and starve the others. Half the default max_running_requests: a newcomer finds a running slot.
-    max_requests_per_client: int = 128
-    max_batched_tokens: int = _SCHEDULER.max_batched_tokens  # new tokens per micro-batch
-    chunked_prefill_size: int = _SCHEDULER.chunked_prefill_size
-    dynamic_chunking: bool = _SCHEDULER.dynamic_chunking  # size later chunks from a prefill latency model
-    chunk_smooth: float = _SCHEDULER.chunk_smooth  # else env PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR
-    enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching
-    # Speculative decoding (scheduler/speculation.py): drafts from the text seen, "off", "ngram" (the
-    # request's own) or "suffix" (and recent requests'); k adapts, and is 0 where drafts do not pay.
-    speculative: str = _SCHEDULER.speculative
-    num_speculative_tokens: int = _SCHEDULER.num_speculative_tokens
-    # Stages that do no math but wait the time this model gives: (a, b, c) of a*attention + b*tokens
-    # + c seconds for the whole model (see engine/runtime/synthetic.py). For studying scheduling at any pp size.
-    synthetic_latency: tuple[float, float, float] | None = None
-    async_depth: int = _SCHEDULER.async_depth  # plans in flight beyond one per stage (why 0: scheduler.py)
-    # PP=1: a request's next decode step is planned before its token is back (PPSERVE_DECODE_AHEAD=0: off)
-    decode_ahead: bool = _SCHEDULER.decode_ahead
-    threads_per_stage: int = 1  # create() gives each stage its share of the cores
-    stage_start_timeout_s: float = 120.0
-    stage_timeout_s: float = 10.0  # a live stage silent this long is hung: it is killed and replaced
-    max_stage_restarts: int = 3  # stage replacements allowed per window; past that the engine is dead
-    stage_restart_window_s: float = 600.0
+    max_running_requests: int = setting(_SCHEDULER.max_running_requests, "requests computed at once", ge=1)
+    max_waiting_requests: int = setting(
+        4096, "requests queued beyond the running ones; past it, new ones are refused (HTTP 503)", ge=1,
+        commands=("serve",),
+    )  # fmt: skip
+    # Half the default max_running_requests: a newcomer finds a running slot.
+    max_requests_per_client: int = setting(
+        128,
+        "running and waiting requests one client (an API key, or a connection where there is none) may hold; "
+        "past it, its new requests are refused (HTTP 429), so that no client can fill the queue",
+        ge=1,
+        commands=("serve",),
+    )
+    max_batched_tokens: int = setting(
+        _SCHEDULER.max_batched_tokens,
+        "new tokens per micro-batch, all requests together: what sizes a stage's activations (raised to the "
+        "prefill chunk size where that is larger)",
+        ge=1,
+    )
+    chunked_prefill_size: int = setting(_SCHEDULER.chunked_prefill_size, "prompt tokens per prefill chunk", ge=1)
+    dynamic_chunking: bool = setting(
+        _SCHEDULER.dynamic_chunking,
+        "shrink later prefill chunks of a long prompt so every chunk takes equal time (profiles at start-up)",
+        aliases=("--enable-dynamic-chunking",),
+    )
+    chunk_smooth: float = setting(
+        _SCHEDULER.chunk_smooth,
+        "dynamic chunking: 0 = fixed chunks .. 1 = follow the latency model strictly",
+        ge=0,
+        le=1,
+        aliases=("--dynamic-chunking-smooth-factor",),
+        env="PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR",
+    )
+    enable_prefix_caching: bool = setting(
+        _SCHEDULER.enable_prefix_caching,
+        "reuse the KV of prompt prefixes seen before (a shared system prompt, a conversation's earlier turns)",
+    )
+    speculative: str = setting(
+        _SCHEDULER.speculative,
+        "speculative decoding with drafts from the text already seen (scheduler/speculation.py): ngram looks up "
+        "the request's own prompt and output, suffix also recent requests' (per tenant); each request's draft "
+        "length follows its acceptance and drops to 0 where the batch is compute-bound; output is as with off",
+        choices=SPECULATIVE_MODES,
+    )
+    num_speculative_tokens: int = setting(
+        _SCHEDULER.num_speculative_tokens, "drafts per request and step at most", ge=0, le=MAX_SPECULATIVE_TOKENS
+    )
+    # Stages that do no math but wait the time this model gives (engine/runtime/synthetic.py).
+    synthetic_latency: tuple[float, float, float] | None = setting(
+        None,
+        "synthetic stages: no math, each micro-batch waits a*attention + b*tokens (whole model, split by layers) "
+        "+ c seconds per stage; output is labelled synthetic",
+        parse=parse_latency,
+        metavar="A,B,C",
+        default_text="off",
+    )
+    # Plans in flight beyond one per stage (why 0: scheduler.py).
+    async_depth: int = setting(_SCHEDULER.async_depth, "plans in flight beyond one per stage", cli=False, ge=0)
+    decode_ahead: bool = setting(
+        _SCHEDULER.decode_ahead,
+        "PP=1: a request's next decode step is planned before its token is back",
+        cli=False,
+        env="PPSERVE_DECODE_AHEAD",
+    )
+    threads_per_stage: int = setting(
+        1, "compute threads per stage", cli=False, ge=1, default_text="the machine's cores, shared"
+    )
+    stage_start_timeout_s: float = setting(
+        120.0,
+        "how long the stages may take to start (load, build the CPU kernels, profile) before the start fails",
+        gt=0,
+        metavar="SECONDS",
+    )
+    # Stages send a heartbeat every 0.2 s: the floor leaves room for a few of them to be late.
+    stage_timeout_s: float = setting(
+        10.0,
+        "a live stage silent this long is declared hung, killed and replaced (a dead process is noticed at once)",
+        ge=1,
+        metavar="SECONDS",
+    )
+    max_stage_restarts: int = setting(
+        3, "failed stages replaced per restart window before the engine gives up (0: never replace)", ge=0
+    )
+    stage_restart_window_s: float = setting(600.0, "the window of max_stage_restarts", cli=False, gt=0)
     stage_gpus: tuple[int, ...] = ()  # on CUDA: each stage's device index on its node (engine/cluster/devices.py)
     cluster: ClusterConfig | None = None  # stages on several nodes (engine/cluster/config.py); None: one host
     ray: RayConfig | None = None  # stages as Ray actors, placed by Ray (engine/cluster/ray_config.py)
-    disaggregation: str = ""  # "prefill" | "decode": one side of a disaggregated pair; "": both in one
+    # One side of a disaggregated pair (engine/disagg/rooms.py); "": both, colocated.
+    disaggregation: str = setting(
+        "",
+        "serve one side of a disaggregated prefill/decode pair",
+        flag="--disaggregation-mode",
+        choices=("", "prefill", "decode"),
+        commands=("serve",),
+        default_text="both, colocated",
+    )
     disagg_host: str = "127.0.0.1"  # disaggregation sockets bind here (prefill: its bootstrap port too)
-    disagg_port: int = 0  # the prefill side's bootstrap port (0: any free one)
-    disagg_bootstrap_timeout_s: float = 30.0  # per state before the transfer (engine/disagg/rooms.py)
-    disagg_transfer_timeout_s: float = 30.0
+    disagg_port: int = setting(
+        0,
+        "prefill side: where decode servers reach it (0: any free port; /health says which)",
+        flag="--disaggregation-bootstrap-port",
+        ge=0,
+        le=65535,
+        metavar="PORT",
+        commands=("serve",),
+    )
+    disagg_bootstrap_timeout_s: float = setting(
+        30.0,
+        "a room's handshake, per state",
+        flag="--disaggregation-bootstrap-timeout",
+        gt=0,
+        metavar="SECONDS",
+        commands=("serve",),
+    )
+    disagg_transfer_timeout_s: float = setting(
+        30.0,
+        "a room's KV transfer",
+        flag="--disaggregation-transfer-timeout",
+        gt=0,
+        metavar="SECONDS",
+        commands=("serve",),
+    )
     disagg_key: bytes | None = field(default=None, repr=False)  # the secret of the pair's sockets
     disagg_insecure: bool = False  # no secret: anyone who reaches the pair's sockets can drive them
     # From the environment unless given (engine/environment.py): read once, on the host, and
     # pickled to the stages with the rest, so that no process reads the environment later.
     disagg_faults: DisaggFaults | None = None  # injected PD faults (PPSERVE_DISAGG_FAULTS)
-    pin_stages: bool = False  # each stage on its own cores (PPSERVE_PIN_STAGES=1; engine/runtime/cpu_affinity.py)
-    # Stages' compute threads run at this nice value (PPSERVE_COMPUTE_NICE; engine/runtime/priority.py)
-    compute_nice: int = 10
-    cpu_kernels: bool = True  # decode attention and fused norm, RoPE, SiLU (PPSERVE_CPU_KERNELS=0: torch ops)
+    pin_stages: bool = setting(
+        False, "each stage on its own cores (engine/runtime/cpu_affinity.py)", cli=False, env="PPSERVE_PIN_STAGES"
+    )
+    compute_nice: int = setting(
+        10,
+        "the nice value of the stages' compute threads (engine/runtime/priority.py)",
+        cli=False,
+        ge=0,
+        le=19,
+        env="PPSERVE_COMPUTE_NICE",
+    )
+    cpu_kernels: bool = setting(
+        True,
+        "decode attention and fused norm, RoPE, SiLU in C++ (else torch ops)",
+        cli=False,
+        env="PPSERVE_CPU_KERNELS",
+    )
     cache_dir: str = ""  # where built kernels live (PPSERVE_CACHE_DIR; engine/model/cache_dir.py)
-    # Which kernel a float linear runs (PPSERVE_KERNEL_CHOICE; engine/model/kernel_choice.py):
-    # "invariant" (rows independent of their batch, else the fastest), "fastest" (per row count,
-    # timed) or "off" (each dtype's default).
-    kernel_choice: str = "invariant"
+    kernel_choice: str = setting(
+        "invariant",
+        "which kernel a float linear runs (engine/model/kernel_choice.py): invariant (rows independent of their "
+        "batch, else the fastest), fastest (per row count, timed) or off (each dtype's default)",
+        cli=False,
+        choices=KERNEL_CHOICES,
+        env="PPSERVE_KERNEL_CHOICE",
+    )
     # Debug: stages report every event-loop callback that uses more CPU than this
     # (PPSERVE_DEBUG_LOOP_MS; engine/runtime/loop_watch.py).
     debug_loop_ms: float | None = None
@@ -117,10 +270,10 @@ class EngineConfig:
         cls,
         model: str | Path,
         *,
-        layer_partition: str | None = None,
-        kv_cache_gb: float = 1.0,
-        tensor_transport: str = "auto",
-        gpu_ids: tuple[int, ...] = (),
+        layer_partition: str | None = INPUTS.layer_partition,
+        kv_cache_gb: float = INPUTS.kv_cache_gb,
+        tensor_transport: str = INPUTS.tensor_transport,
+        gpu_ids: tuple[int, ...] = INPUTS.gpu_ids,
         **settings: Any,
     ) -> EngineConfig:
         """Resolve a config for the checkpoint `model`. `settings` are fields by name; one left
@@ -140,6 +293,9 @@ class EngineConfig:
             | {k: v for k, v in env.items() if v is not None}
             | {k: v for k, v in given.items() if v is not None}
         )
+        inputs = {"kv_cache_gb": kv_cache_gb, "tensor_transport": tensor_transport}
+        if wrong := problems(cls, s) + problems(Inputs, inputs):  # every range, before anything is loaded
+            raise ConfigError("; ".join(wrong))
         if not Path(model).exists():
             raise ConfigError(
                 f"model {str(model)!r} does not exist: give a Hugging Face checkpoint directory (config.json, "
@@ -149,36 +305,21 @@ class EngineConfig:
             model = prepare_gguf(model)
         model_config = ModelConfig.from_dir(model)
         device, pp_size, block_size = s["device"], s["pp_size"], s["block_size"]
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
         s["dtype"] = _resolve_dtype(s.get("dtype") or "auto", model_config, device)
-        if s["kernel_choice"] not in KERNEL_CHOICES:
-            choices = ", ".join(KERNEL_CHOICES)
-            raise ConfigError(
-                f"kernel_choice (PPSERVE_KERNEL_CHOICE) must be one of {choices}; got {s['kernel_choice']!r}"
-            )
-        if s["quantization"] not in QUANTIZATIONS:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {s['quantization']!r}")
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
         s["layer_ranges"] = ranges = partition_layers(model_config.num_layers, pp_size, layer_partition)
         max_model_len = s.get("max_model_len")
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
-        elif not 1 <= max_model_len <= model_config.max_position_embeddings:
+        elif max_model_len > model_config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len must be in [1, {model_config.max_position_embeddings}] "
                 f"(the model's max_position_embeddings), got {max_model_len}"
             )
         num_kv_blocks, budget = s.get("num_kv_blocks"), 0
         if num_kv_blocks is None:
-            if not math.isfinite(kv_cache_gb) or kv_cache_gb <= 0:
-                raise ConfigError(f"kv_cache_gb must be a positive number, got {kv_cache_gb}")
             budget = int(kv_cache_gb * 2**30)
-        if s["num_window_blocks"] < 0:
-            raise ConfigError(f"num_window_blocks must be >= 0, got {s['num_window_blocks']}")
         s["kv_window"] = window = kv_window(model_config.sliding_windows, max_model_len)
         if window is not None and s["disaggregation"]:
             raise ConfigError(
@@ -281,7 +422,7 @@ class EngineConfig:
 
 def _defaults() -> dict[str, Any]:
     """Each settable field's declared default (None for those create() resolves)."""
-    return {f.name: None if f.default is MISSING else f.default for f in fields(EngineConfig) if f.name not in DERIVED}
+    return {f.name: default_of(f) for f in fields(EngineConfig) if f.name not in DERIVED}
 
 
 def _checked(settings: dict[str, Any]) -> dict[str, Any]:
@@ -301,53 +442,18 @@ def _checked(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate(s: dict[str, Any]) -> None:
-    """The ranges of the settings create() does not derive anything from."""
-    for name in ("max_running_requests", "max_waiting_requests", "chunked_prefill_size", "max_requests_per_client"):
-        if s[name] < 1:
-            raise ConfigError(f"{name} must be >= 1, got {s[name]}")
+    """What the settings' own ranges (checked first, in create) cannot say: how they bear on each other."""
     if s["max_batched_tokens"] < s["chunked_prefill_size"]:
         raise ConfigError(
             f"max_batched_tokens ({s['max_batched_tokens']}) must be >= chunked_prefill_size "
             f"({s['chunked_prefill_size']})"
         )
-    if not 0.0 <= s["chunk_smooth"] <= 1.0:
-        raise ConfigError(f"the dynamic chunking smooth factor must be in [0, 1], got {s['chunk_smooth']}")
     latency = s["synthetic_latency"]
     if latency is not None and (len(latency) != 3 or not all(math.isfinite(v) and v >= 0 for v in latency)):
         raise ConfigError(f"synthetic latency needs three finite numbers >= 0 (a, b, c), got {latency}")
-    if s["speculative"] not in SPECULATIVE_MODES:
-        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}; got {s['speculative']!r}")
-    if not 0 <= s["num_speculative_tokens"] <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(
-            f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {s['num_speculative_tokens']}"
-        )
-    if s["async_depth"] < 0:
-        raise ConfigError(f"async_depth must be >= 0, got {s['async_depth']}")
-    if s["threads_per_stage"] < 1:
-        raise ConfigError(f"threads_per_stage must be >= 1, got {s['threads_per_stage']}")
-    if not 0 <= s["compute_nice"] <= 19:
-        raise ConfigError(f"compute_nice must be in [0, 19] (a nice value), got {s['compute_nice']}")
-    for name in ("stage_start_timeout_s", "stage_restart_window_s"):
-        if not math.isfinite(s[name]) or s[name] <= 0:
-            raise ConfigError(f"{name} must be a positive number of seconds, got {s[name]}")
-    # Stages send a heartbeat every 0.2 s: leave room for a few of them to be late.
-    if not (math.isfinite(s["stage_timeout_s"]) and s["stage_timeout_s"] >= 1.0):
-        raise ConfigError(f"stage_timeout_s must be at least 1 second, got {s['stage_timeout_s']}")
-    if s["max_stage_restarts"] < 0:
-        raise ConfigError(f"max_stage_restarts must be >= 0, got {s['max_stage_restarts']}")
     mode = s["disaggregation"]
-    if mode not in ("", "prefill", "decode"):
-        raise ConfigError(f"disaggregation mode must be prefill or decode, got {mode!r}")
     if mode and s["disagg_host"] in ("0.0.0.0", "::", ""):
         raise ConfigError("disaggregation sockets need this machine's address (--node-addr), not a wildcard")
-    if not 0 <= s["disagg_port"] < 65536:
-        raise ConfigError(f"the disaggregation bootstrap port must be in [0, 65535], got {s['disagg_port']}")
-    for name, seconds in (
-        ("disaggregation bootstrap timeout", s["disagg_bootstrap_timeout_s"]),
-        ("disaggregation transfer timeout", s["disagg_transfer_timeout_s"]),
-    ):
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ConfigError(f"the {name} must be a positive number of seconds, got {seconds}")
     if mode and s["disagg_key"] is None and not s["disagg_insecure"]:
         raise ConfigError(
             "prefill/decode disaggregation needs a shared secret on both sides and the router: "

@@ -97,8 +97,6 @@ class _InFlight:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
-        if config.chunked_prefill_size < 1 or config.max_batched_tokens < 1 or config.max_running_requests < 1:
-            raise ValueError("chunked_prefill_size, max_batched_tokens and max_running_requests must be >= 1")
         self.config = config
         self.ahead = config.decode_ahead and config.pp_size == 1  # the stage that samples also embeds
         self.depth = config.pp_size + config.async_depth + self.ahead

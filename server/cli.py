@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.server.cli_clients import add_client_flags, server_options
-from ppserve.server.cli_cluster import add_disaggregation_flags, run_loop, serve_node
+from ppserve.server.cli_cluster import run_loop, serve_node
 from ppserve.server.cli_engine import add_engine_flags, engine_settings
 from ppserve.server.cli_sampling import add_sampling_flags, constraint_flag, sampling_params
 from ppserve.server.listen import bind_http
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ppserve {installed_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{generate,serve,router}")
     gen = sub.add_parser("generate", help="one-shot generation from the terminal")
-    add_engine_flags(gen)
+    add_engine_flags(gen, "generate")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--input-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     serve = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible, /generate, websocket)")
-    add_engine_flags(serve)
+    add_engine_flags(serve, "serve")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
     add_client_flags(serve)
@@ -100,19 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
         dest="playground",
         action="store_false",
         help="do not serve the playground page (chat and live pipeline view) at /",
-    )
-    serve.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=4096,
-        help="queue length beyond which requests get HTTP 503 (default 4096)",
-    )
-    serve.add_argument(
-        "--max-requests-per-client",
-        type=int,
-        default=128,
-        help="running and waiting requests one client (an API key on a server with several, else a connection) "
-        "may hold; past it, HTTP 429 (default 128)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -127,7 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="the least severe messages logged (default info; warning also silences the access log)",
     )
-    add_disaggregation_flags(serve)
     router = sub.add_parser("router", help="the front of a disaggregated deployment: prefill and decode servers")
     router.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' HTTP URLs")
     router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' HTTP URLs")

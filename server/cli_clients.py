@@ -27,7 +27,8 @@ def add_client_flags(serve: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         metavar="PATH",
-        help="read the API keys from PATH, one per non-empty line (unlike --api-key, not visible in the process list)",
+        help="read the API keys from PATH, one per non-empty line (unlike --api-key, not visible in the process "
+        "list; default: none)",
     )
     serve.add_argument(
         "--admin-key",

@@ -24,10 +24,16 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     cluster = p.add_argument_group("multi-node (the same command on every node, each with its own --node-rank)")
     cluster.add_argument("--nnodes", type=int, default=1, help="nodes the stages are spread over (default 1)")
     cluster.add_argument(
-        "--node-rank", type=int, default=0, help="this node: 0 runs the host (HTTP, scheduler) and its stages"
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node: 0 runs the host (HTTP, scheduler) and its stages (default: 0)",
     )
     cluster.add_argument(
-        "--dist-init-addr", default=None, metavar="HOST:PORT", help="node 0's address for the nodes to meet at"
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address for the nodes to meet at (default: none, one node)",
     )
     cluster.add_argument(
         "--stages-per-node", default=None, metavar="COUNTS", help="e.g. 1,2,1 (default: even, the rest on later nodes)"
@@ -42,7 +48,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         "--cluster-key-file",
         default=None,
         metavar="PATH",
-        help="the cluster's shared secret, the same file on every node (or env PPSERVE_CLUSTER_KEY)",
+        help="the cluster's shared secret, the same file on every node (default: env PPSERVE_CLUSTER_KEY, else none)",
     )
     cluster.add_argument(
         "--insecure-cluster",
@@ -55,7 +61,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         "--executor",
         choices=EXECUTORS,
         default="processes",
-        help="how the stages run: processes of this machine (with --nnodes, of several), or Ray actors",
+        help="how the stages run: processes of this machine (with --nnodes, of several), or Ray actors "
+        "(default: processes)",
     )
     ray.add_argument(
         "--ray-address",
@@ -67,38 +74,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         "--placement-strategy",
         choices=STRATEGIES,
         default="PACK",
-        help="how the stages spread over the Ray nodes: PACK (few nodes), SPREAD, STRICT_SPREAD (one per node)",
-    )
-
-
-def add_disaggregation_flags(serve: argparse.ArgumentParser) -> None:
-    pd = serve.add_argument_group("prefill/decode disaggregation (a router in front: `ppserve router`)")
-    pd.add_argument(
-        "--disaggregation-mode",
-        choices=["prefill", "decode"],
-        default=None,
-        help="serve one side of a disaggregated pair (default: both, colocated)",
-    )
-    pd.add_argument(
-        "--disaggregation-bootstrap-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="prefill side: where decode servers reach it (default: any free port; /health says which)",
-    )
-    pd.add_argument(
-        "--disaggregation-bootstrap-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a room's handshake, per state (default 30)",
-    )
-    pd.add_argument(
-        "--disaggregation-transfer-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a room's KV transfer (default 30)",
+        help="how the stages spread over the Ray nodes: PACK (few nodes), SPREAD, STRICT_SPREAD (one per node) "
+        "(default: PACK)",
     )
 
 
@@ -154,23 +131,12 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig | None:
     )
 
 
-# The disaggregation flags: argparse dest -> EngineConfig.create's keyword; each flag's default is
-# the config's (tests/test_config_chain.py).
-DISAGG_FLAGS = {
-    "disaggregation_mode": "disaggregation",
-    "disaggregation_bootstrap_port": "disagg_port",
-    "disaggregation_bootstrap_timeout": "disagg_bootstrap_timeout_s",
-    "disaggregation_transfer_timeout": "disagg_transfer_timeout_s",
-}
-
-
 def disaggregation_options(args: argparse.Namespace) -> dict[str, Any]:
     from ppserve.transport.cluster_key import load_key
 
-    if not getattr(args, "disaggregation_mode", None):
+    if not getattr(args, "disaggregation", None):
         return {}
     return {
-        **{kw: getattr(args, dest) for dest, kw in DISAGG_FLAGS.items()},
         "disagg_host": args.node_addr or args.host,
         "disagg_key": load_key(args.cluster_key_file),  # the pair's sockets speak CURVE
         "disagg_insecure": args.insecure_cluster,

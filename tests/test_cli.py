@@ -143,14 +143,14 @@ def test_generate_constrained(llama_dir: Path) -> None:
         (["--prompt", "x", "--pp-size", "2", "--layer-partition", "1,2"], "sums to 3"),
         (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
         (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be an integer in [1, "),
-        (["--prompt", "x", "--stage-timeout", "0.5"], "stage_timeout_s must be at least 1 second"),
-        (["--prompt", "x", "--stage-timeout", "nan"], "stage_timeout_s must be at least 1 second"),
-        (["--prompt", "x", "--max-stage-restarts", "-1"], "max_stage_restarts must be >= 0"),
+        (["--prompt", "x", "--stage-timeout", "0.5"], "stage_timeout_s (--stage-timeout) must be >= 1, got 0.5"),
+        (["--prompt", "x", "--stage-timeout", "nan"], "stage_timeout_s (--stage-timeout) must be a finite number"),
+        (["--prompt", "x", "--max-stage-restarts", "-1"], "max_stage_restarts (--max-stage-restarts) must be >= 0"),
         (["--prompt", "x", "--dtype", "int4"], "dtype must be auto"),
         (["--input-ids", "1,x"], "expected comma-separated token ids"),
         (["--prompt", "x", "--input-ids", "1"], "not allowed with argument"),
         (["--prompt", ""], "the prompt is empty"),
-        (["--prompt", "x", "--chunked-prefill-size", "0"], "chunked_prefill_size must be >= 1"),
+        (["--prompt", "x", "--chunked-prefill-size", "0"], "chunked_prefill_size (--chunked-prefill-size) must be >= 1"),
         (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
         (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),
@@ -280,14 +280,14 @@ DECODE = ["--disaggregation-mode", "decode"]
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([*DECODE, "--disaggregation-transfer-timeout", "0"], "transfer timeout must be a positive"),
+        ([*DECODE, "--disaggregation-transfer-timeout", "0"], "(--disaggregation-transfer-timeout) must be > 0"),
         (
             [*PREFILL, "--disaggregation-bootstrap-timeout", "nan"],
-            "bootstrap timeout must be a positive",
+            "(--disaggregation-bootstrap-timeout) must be a finite number",
         ),
         (
             [*PREFILL, "--disaggregation-bootstrap-port", "70000"],
-            "bootstrap port must be in [0, 65535]",
+            "(--disaggregation-bootstrap-port) must be in [0, 65535]",
         ),
         (["--disaggregation-mode", "middle"], "invalid choice"),
         # The pair's sockets need the cluster key, unless the user opts out loudly.
@@ -295,7 +295,7 @@ DECODE = ["--disaggregation-mode", "decode"]
         (["--log-level", "loud"], "--log-level"),
         (["--port", "80000"], "a port is 1 to 65535 (0: any free one), got 80000"),
         (["--port", "-1"], "a port is 1 to 65535"),
-        (["--stage-start-timeout", "0"], "stage_start_timeout_s must be a positive number"),
+        (["--stage-start-timeout", "0"], "stage_start_timeout_s (--stage-start-timeout) must be > 0"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     ],
 )
@@ -383,10 +383,10 @@ def test_embed_example_runs_and_is_in_readme(llama_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "env", "message"),
     [
-        (["--dynamic-chunking-smooth-factor", "1.5"], {}, "smooth factor must be in [0, 1]"),
-        (["--dynamic-chunking-smooth-factor", "-0.1"], {}, "smooth factor must be in [0, 1]"),
+        (["--dynamic-chunking-smooth-factor", "1.5"], {}, "chunk_smooth (--chunk-smooth) must be in [0, 1]"),
+        (["--dynamic-chunking-smooth-factor", "-0.1"], {}, "chunk_smooth (--chunk-smooth) must be in [0, 1]"),
         ([], {"PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR": "lots"}, "PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR"),
-        ([], {"PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR": "2"}, "smooth factor must be in [0, 1]"),
+        ([], {"PPSERVE_DYNAMIC_CHUNKING_SMOOTH_FACTOR": "2"}, "chunk_smooth (--chunk-smooth) must be in [0, 1]"),
         (["--synthetic-latency", "1,2"], {}, "A,B,C"),
         (["--synthetic-latency", "1,-2,3"], {}, "synthetic latency"),
     ],
@@ -408,7 +408,7 @@ def test_smooth_factor_from_flag_or_environment(llama_dir: Path, monkeypatch: py
     assert EngineConfig.create(llama_dir, num_kv_blocks=8).chunk_smooth == 0.4
     assert EngineConfig.create(llama_dir, num_kv_blocks=8, chunk_smooth=1.0).chunk_smooth == 1.0  # the flag wins
     args = build_parser().parse_args(["serve", "--enable-dynamic-chunking", "--synthetic-latency", "1e-9,2e-5,0.001"])
-    assert args.enable_dynamic_chunking and args.synthetic_latency == (1e-9, 2e-5, 0.001)
+    assert args.dynamic_chunking and args.synthetic_latency == (1e-9, 2e-5, 0.001)
 
 
 @pytest.mark.slow

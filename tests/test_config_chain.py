@@ -19,10 +19,11 @@ from ppserve.engine import environment
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.faults import ENV as FAULTS_ENV
 from ppserve.engine.disagg.faults import DisaggFaults
+from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.settings import default_of
 from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.server.cli import build_parser
-from ppserve.server.cli_cluster import DISAGG_FLAGS
-from ppserve.server.cli_engine import ENGINE_FLAGS, engine_settings
+from ppserve.server.cli_engine import engine_settings, flag_settings
 
 ENGINE_ENV: tuple[str, ...] = (
     environment.SMOOTH_ENV,
@@ -49,11 +50,11 @@ def _field_defaults(cls: type) -> dict[str, Any]:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def _flags(command: str) -> list[argparse.Action]:
-    """The options of `ppserve COMMAND` that feed the engine config."""
+def _options(command: str) -> dict[str, argparse.Action]:
+    """The options of `ppserve COMMAND`, by dest."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [a for a in sub.choices[command]._actions if a.dest in ENGINE_FLAGS or a.dest in DISAGG_FLAGS]
+    return {a.dest: a for a in sub.choices[command]._actions if a.option_strings}
 
 
 def test_the_scheduler_and_the_engine_declare_the_same_defaults() -> None:
@@ -92,21 +93,62 @@ def test_create_takes_fields_by_name_and_checks_them(llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_every_engine_flag_defaults_to_what_create_takes(base: EngineConfig, llama_dir: Path, command: str) -> None:
+def test_every_engine_flag_is_its_settings_declaration(base: EngineConfig, llama_dir: Path, command: str) -> None:
+    """The flags are generated from the settings' declarations: each says its field's default and
+    range, and a flag left out is None, so that create() applies the default (or the environment's)."""
+    options = _options(command)
     params = inspect.signature(EngineConfig.create).parameters
-    flags = _flags(command)
-    assert {a.dest for a in flags} >= set(ENGINE_FLAGS) - {"max_waiting_requests", "max_requests_per_client"}
-    for action in flags:
-        kw = ENGINE_FLAGS.get(action.dest) or DISAGG_FLAGS[action.dest]
-        if kw in params:  # an input of create() that is no field
-            assert action.default == params[kw].default, f"--{action.dest}: {action.default!r}"
-        else:  # the flag's default, given, makes the config of no flag at all
-            made = EngineConfig.create(llama_dir, **{kw: action.default})
-            assert made == base, f"--{action.dest}'s default {action.default!r} is not the config's {kw}"
-        # What the help text says the default is.
-        if match := re.search(r"\(default:? (\d+(?:\.\d+)?)\b", action.help or ""):
-            said = params[kw].default if kw in params else getattr(base, kw)
-            assert float(match[1]) == said, f"--{action.dest}'s help says {match[1]}, the config has {said!r}"
+    settings = flag_settings(command)
+    assert {"pp_size", "kv_cache_gb", "speculative", "stage_timeout_s"} <= {f.name for f, _ in settings}
+    for f, s in settings:
+        action = options[f.name]
+        assert action.default is None, f"{action.option_strings}: {action.default!r}"
+        assert s.flag_name(f.name) in action.option_strings and set(s.aliases) <= set(action.option_strings)
+        default = params[f.name].default if f.name in params else default_of(f)
+        if f.name not in params and default is not None:  # what create() makes of the flag left out
+            assert getattr(base, f.name) == default, f"--{f.name}: the config has {getattr(base, f.name)!r}"
+        help = action.help or ""
+        if s.default_text is None:
+            said = re.search(r"default: ([^;)]+)", help)
+            assert said, f"{action.option_strings} shows no default"
+            word = {True: "on", False: "off"}.get(default) if isinstance(default, bool) else str(default)
+            assert said[1] == word, f"{action.option_strings} says {said[1]}, the field {default!r}"
+        assert s.range() in help
+
+
+def _outside(s: Any) -> float | None:
+    """A value just outside a setting's range (None: it has none)."""
+    if s.ge is not None:
+        return s.ge - 1
+    if s.gt is not None:
+        return s.gt
+    return s.le + 1 if s.le is not None else None
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_flag_range_is_checked_by_create(llama_dir: Path, command: str) -> None:
+    checked = 0
+    for f, s in flag_settings(command):
+        value = _outside(s)
+        if value is None or f.name.startswith("disagg"):
+            continue
+        outside: Any = int(value) if "int" in str(f.type) else float(value)
+        with pytest.raises(ConfigError, match=re.escape(f"{f.name} ({s.flag_name(f.name)}) must be {s.range()}")):
+            EngineConfig.create(llama_dir, **{f.name: outside})
+        checked += 1
+    assert checked >= 10
+
+
+def test_help_shows_every_default() -> None:
+    for command in ("generate", "serve"):
+        for action in _options(command).values():
+            if action.dest in ("help", "prompt", "input_ids", "prompts_file") or action.nargs == 0:
+                continue  # switches, and the prompt's sources (one of them is required)
+            if isinstance(action, argparse._AppendAction):
+                continue  # repeatable: none unless given
+            if action.dest in {"seed", "logprobs", "prompt_logprobs", "json_schema", "regex", "grammar"}:
+                continue  # sampling: off unless given (server/cli_sampling.py)
+            assert "default" in (action.help or ""), f"ppserve {command} {action.option_strings[0]}"
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
