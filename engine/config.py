@@ -282,20 +282,7 @@ class EngineConfig:
         `layer_partition` ("3,3,4"), `kv_cache_gb` (sizes num_kv_blocks unless that is given),
         `tensor_transport` (resolved per edge) and `gpu_ids` (resolved per stage)."""
         given = _checked(settings)
-        env = read_environment(
-            name
-            for name in READERS
-            if given.get(name) is None and (name != "disagg_faults" or given.get("disaggregation"))
-        )
-        # None, given or read, means "not set": the default, or what is resolved below.
-        s = (
-            _defaults()
-            | {k: v for k, v in env.items() if v is not None}
-            | {k: v for k, v in given.items() if v is not None}
-        )
-        inputs = {"kv_cache_gb": kv_cache_gb, "tensor_transport": tensor_transport}
-        if wrong := problems(cls, s) + problems(Inputs, inputs):  # every range, before anything is loaded
-            raise ConfigError("; ".join(wrong))
+        s = _settled(given, {"kv_cache_gb": kv_cache_gb, "tensor_transport": tensor_transport})
         if not Path(model).exists():
             raise ConfigError(
                 f"model {str(model)!r} does not exist: give a Hugging Face checkpoint directory (config.json, "
@@ -304,71 +291,18 @@ class EngineConfig:
         if is_gguf_file(model):  # from here on, the prepared directory stands for the file
             model = prepare_gguf(model)
         model_config = ModelConfig.from_dir(model)
-        device, pp_size, block_size = s["device"], s["pp_size"], s["block_size"]
+        device, pp_size = s["device"], s["pp_size"]
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
         s["dtype"] = _resolve_dtype(s.get("dtype") or "auto", model_config, device)
-        s["layer_ranges"] = ranges = partition_layers(model_config.num_layers, pp_size, layer_partition)
-        max_model_len = s.get("max_model_len")
-        if max_model_len is None:
-            max_model_len = model_config.max_position_embeddings
-        elif max_model_len > model_config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len must be in [1, {model_config.max_position_embeddings}] "
-                f"(the model's max_position_embeddings), got {max_model_len}"
-            )
-        num_kv_blocks, budget = s.get("num_kv_blocks"), 0
-        if num_kv_blocks is None:
-            budget = int(kv_cache_gb * 2**30)
-        s["kv_window"] = window = kv_window(model_config.sliding_windows, max_model_len)
-        if window is not None and s["disaggregation"]:
-            raise ConfigError(
-                "prefill/decode disaggregation does not transfer the KV of sliding-window layers, which this "
-                f"model has (window {window})"
-            )
-        # Sized by the stage that needs most, so no stage uses more than kv_cache_gb.
-        num_kv_blocks, num_window_blocks = kv_pools(
-            model_config, ranges, window, kv_bytes_per_block(model_config, 1, block_size, DTYPES[s["dtype"]]),
-            budget, num_kv_blocks, s["num_window_blocks"] or None, s["max_running_requests"], max_model_len,
-            s["chunked_prefill_size"], block_size,
-        )  # fmt: skip
-        if num_kv_blocks < 1 or (window is not None and num_window_blocks < 1):
-            got = f"{num_kv_blocks}" if window is None else f"{num_kv_blocks} and {num_window_blocks} (windowed layers)"
-            raise ConfigError(f"the KV cache must hold at least one block, got {got}")
-        s["num_kv_blocks"], s["num_window_blocks"] = num_kv_blocks, num_window_blocks
-        # A single request must always fit: it can then finish after preempting all others.
-        s["max_model_len"] = min(max_model_len, num_kv_blocks * block_size)
-        if window is not None and num_window_blocks < blocks_per_request(window, s["chunked_prefill_size"], block_size):
-            s["max_model_len"] = min(s["max_model_len"], num_window_blocks * block_size)
+        s["layer_ranges"] = partition_layers(model_config.num_layers, pp_size, layer_partition)
+        _size_kv(s, model_config, kv_cache_gb)
         if given.get("max_batched_tokens") is None:  # room for a whole chunk
             s["max_batched_tokens"] = max(cls.max_batched_tokens, s["chunked_prefill_size"])
         if given.get("threads_per_stage") is None:
             s["threads_per_stage"] = max(1, (os.cpu_count() or 1) // pp_size)
         _validate(s)
-        cluster: ClusterConfig | None = s["cluster"]
-        if gpu_ids and device != "cuda":
-            raise ConfigError("--gpu-ids needs --device cuda")
-        if cluster is not None and len(cluster.stage_nodes) != pp_size:
-            raise ConfigError(f"the cluster places {len(cluster.stage_nodes)} stages, but --pp-size is {pp_size}")
-        if cluster is not None and s["ray"] is not None:
-            raise ConfigError("--executor ray places the stages itself: it takes no --nnodes")
-        # Under Ray, where a stage lands is known only once it is placed: every edge may cross nodes.
-        nodes = cluster.stage_nodes if cluster is not None else tuple(range(pp_size)) if s["ray"] else (0,) * pp_size
-        try:
-            gpus: tuple[int, ...] = ()
-            if device == "cuda" and s["ray"] is not None:
-                gpus = (0,) * pp_size  # Ray gives each stage's actor one GPU of its own
-            elif device == "cuda":  # each node numbers its own devices
-                for node in sorted(set(nodes)):
-                    gpus += stage_gpus(nodes.count(node), torch.cuda.device_count(), gpu_ids)
-            shared = shares_a_gpu([n * 1_000_000 + g for n, g in zip(nodes, gpus, strict=False)])
-            resolve_kind(tensor_transport, device, same_host=True, shared_gpu=shared)  # checked even at PP=1
-            s["edge_transports"] = tuple(
-                resolve_kind(tensor_transport, device, same_host=nodes[i] == nodes[i + 1], shared_gpu=shared)
-                for i in range(pp_size - 1)
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        gpus, s["edge_transports"] = _placement(s, gpu_ids, tensor_transport)
         return cls(model=str(model), model_config=model_config, stage_gpus=gpus, **s)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -439,6 +373,89 @@ def _checked(settings: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, kind) or (isinstance(value, bool) and not isinstance(default, bool)):
             raise TypeError(f"EngineConfig.create(): {name} must be {type(default).__name__}, got {value!r}")
     return settings
+
+
+def _settled(given: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Every settable field's value: given, else the environment's where the field reads one, else
+    its declared default (None, given or read, means "not set"); each checked against its range."""
+    env = read_environment(
+        name for name in READERS if given.get(name) is None and (name != "disagg_faults" or given.get("disaggregation"))
+    )
+    s = (
+        _defaults()
+        | {k: v for k, v in env.items() if v is not None}
+        | {k: v for k, v in given.items() if v is not None}
+    )
+    if wrong := problems(EngineConfig, s) + problems(Inputs, inputs):  # every range, before anything is loaded
+        raise ConfigError("; ".join(wrong))
+    return s
+
+
+def _size_kv(s: dict[str, Any], model_config: ModelConfig, kv_cache_gb: float) -> None:
+    """The KV cache's blocks (from kv_cache_gb unless num_kv_blocks is given), its sliding window, and
+    the context length they allow, into `s`."""
+    block_size, ranges = s["block_size"], s["layer_ranges"]
+    max_model_len = s.get("max_model_len")
+    if max_model_len is None:
+        max_model_len = model_config.max_position_embeddings
+    elif max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len must be in [1, {model_config.max_position_embeddings}] "
+            f"(the model's max_position_embeddings), got {max_model_len}"
+        )
+    num_kv_blocks = s.get("num_kv_blocks")
+    budget = int(kv_cache_gb * 2**30) if num_kv_blocks is None else 0
+    s["kv_window"] = window = kv_window(model_config.sliding_windows, max_model_len)
+    if window is not None and s["disaggregation"]:
+        raise ConfigError(
+            "prefill/decode disaggregation does not transfer the KV of sliding-window layers, which this "
+            f"model has (window {window})"
+        )
+    # Sized by the stage that needs most, so no stage uses more than kv_cache_gb.
+    num_kv_blocks, num_window_blocks = kv_pools(
+        model_config, ranges, window, kv_bytes_per_block(model_config, 1, block_size, DTYPES[s["dtype"]]),
+        budget, num_kv_blocks, s["num_window_blocks"] or None, s["max_running_requests"], max_model_len,
+        s["chunked_prefill_size"], block_size,
+    )  # fmt: skip
+    if num_kv_blocks < 1 or (window is not None and num_window_blocks < 1):
+        got = f"{num_kv_blocks}" if window is None else f"{num_kv_blocks} and {num_window_blocks} (windowed layers)"
+        raise ConfigError(f"the KV cache must hold at least one block, got {got}")
+    s["num_kv_blocks"], s["num_window_blocks"] = num_kv_blocks, num_window_blocks
+    # A single request must always fit: it can then finish after preempting all others.
+    s["max_model_len"] = min(max_model_len, num_kv_blocks * block_size)
+    if window is not None and num_window_blocks < blocks_per_request(window, s["chunked_prefill_size"], block_size):
+        s["max_model_len"] = min(s["max_model_len"], num_window_blocks * block_size)
+
+
+def _placement(
+    s: dict[str, Any], gpu_ids: tuple[int, ...], tensor_transport: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Each stage's GPU (on CUDA) and each edge's tensor channel kind."""
+    device, pp_size, cluster = s["device"], s["pp_size"], s["cluster"]
+    if gpu_ids and device != "cuda":
+        raise ConfigError("--gpu-ids needs --device cuda")
+    if cluster is not None and len(cluster.stage_nodes) != pp_size:
+        raise ConfigError(f"the cluster places {len(cluster.stage_nodes)} stages, but --pp-size is {pp_size}")
+    if cluster is not None and s["ray"] is not None:
+        raise ConfigError("--executor ray places the stages itself: it takes no --nnodes")
+    # Under Ray, where a stage lands is known only once it is placed: every edge may cross nodes.
+    nodes = cluster.stage_nodes if cluster is not None else tuple(range(pp_size)) if s["ray"] else (0,) * pp_size
+    try:
+        gpus: tuple[int, ...] = ()
+        if device == "cuda" and s["ray"] is not None:
+            gpus = (0,) * pp_size  # Ray gives each stage's actor one GPU of its own
+        elif device == "cuda":  # each node numbers its own devices
+            for node in sorted(set(nodes)):
+                gpus += stage_gpus(nodes.count(node), torch.cuda.device_count(), gpu_ids)
+        shared = shares_a_gpu([n * 1_000_000 + g for n, g in zip(nodes, gpus, strict=False)])
+        resolve_kind(tensor_transport, device, same_host=True, shared_gpu=shared)  # checked even at PP=1
+        edges = tuple(
+            resolve_kind(tensor_transport, device, same_host=nodes[i] == nodes[i + 1], shared_gpu=shared)
+            for i in range(pp_size - 1)
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return gpus, edges
 
 
 def _validate(s: dict[str, Any]) -> None:

@@ -143,6 +143,27 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
         for stage, (node_id, address) in enumerate(s.stage_nodes):
             nodes.add_metric([str(stage), node_id, address], 1)
         yield nodes
+    yield from _cache_and_spec_families(s)
+    yield from _moe_families(s)
+    counts = [0] * (len(_CHUNK_BUCKETS) + 1)
+    for size, n in s.prefill_chunks.items():
+        counts[bisect.bisect_left(_CHUNK_BUCKETS, size)] += n
+    total = float(sum(size * n for size, n in s.prefill_chunks.items()))
+    yield _histogram_family(
+        "ppserve_prefill_chunk_tokens", "Sizes of the prefill chunks scheduled", _CHUNK_BUCKETS, counts, total
+    )
+    if s.latency_model is not None:
+        model = GaugeMetricFamily(
+            "ppserve_prefill_latency_coefficient",
+            "Fitted prefill latency f(l) = a*l^2 + b*l + c of the bottleneck stage (seconds)",
+            labels=["term"],
+        )
+        for term, value in zip("abc", s.latency_model, strict=True):
+            model.add_metric([term], value)
+        yield model
+
+
+def _cache_and_spec_families(s: EngineStats) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "ppserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=s.prefix_cache_queries
     )
@@ -175,37 +196,26 @@ def _engine_families(s: EngineStats | None) -> Iterator[Metric]:
         "Fraction of the last 10 s each stage spent computing",
         s.stage_busy,
     )
-    if s.moe:  # a mixture of experts: per MoE layer, never per expert (engine/runtime/expert_load.py)
-        window = f"the last {WINDOW_S:.0f} s"
-        routed = CounterMetricFamily(
-            "ppserve_moe_routed_tokens", "Tokens routed to each MoE layer's experts", labels=["layer"]
-        )
-        imbalance = GaugeMetricFamily(
-            "ppserve_moe_expert_imbalance",
-            f"Each MoE layer's busiest expert's tokens over its experts' mean, in {window} (1: even)",
-            labels=["layer"],
-        )
-        idle = GaugeMetricFamily(
-            "ppserve_moe_idle_experts", f"Each MoE layer's experts that got no token in {window}", labels=["layer"]
-        )
-        for load in s.moe:
-            routed.add_metric([str(load.layer)], load.routed)
-            imbalance.add_metric([str(load.layer)], load.imbalance)
-            idle.add_metric([str(load.layer)], load.idle)
-        yield from (routed, imbalance, idle)
-    counts = [0] * (len(_CHUNK_BUCKETS) + 1)
-    for size, n in s.prefill_chunks.items():
-        counts[bisect.bisect_left(_CHUNK_BUCKETS, size)] += n
-    total = float(sum(size * n for size, n in s.prefill_chunks.items()))
-    yield _histogram_family(
-        "ppserve_prefill_chunk_tokens", "Sizes of the prefill chunks scheduled", _CHUNK_BUCKETS, counts, total
+
+
+def _moe_families(s: EngineStats) -> Iterator[Metric]:
+    """A mixture of experts: per MoE layer, never per expert (engine/runtime/expert_load.py)."""
+    if not s.moe:
+        return
+    window = f"the last {WINDOW_S:.0f} s"
+    routed = CounterMetricFamily(
+        "ppserve_moe_routed_tokens", "Tokens routed to each MoE layer's experts", labels=["layer"]
     )
-    if s.latency_model is not None:
-        model = GaugeMetricFamily(
-            "ppserve_prefill_latency_coefficient",
-            "Fitted prefill latency f(l) = a*l^2 + b*l + c of the bottleneck stage (seconds)",
-            labels=["term"],
-        )
-        for term, value in zip("abc", s.latency_model, strict=True):
-            model.add_metric([term], value)
-        yield model
+    imbalance = GaugeMetricFamily(
+        "ppserve_moe_expert_imbalance",
+        f"Each MoE layer's busiest expert's tokens over its experts' mean, in {window} (1: even)",
+        labels=["layer"],
+    )
+    idle = GaugeMetricFamily(
+        "ppserve_moe_idle_experts", f"Each MoE layer's experts that got no token in {window}", labels=["layer"]
+    )
+    for load in s.moe:
+        routed.add_metric([str(load.layer)], load.routed)
+        imbalance.add_metric([str(load.layer)], load.imbalance)
+        idle.add_metric([str(load.layer)], load.idle)
+    yield from (routed, imbalance, idle)

@@ -111,74 +111,90 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(
             400, "echo with logprobs (prompt logprobs) is not supported with prefill/decode disaggregation", "echo"
         )
-    tokenizer = state.ready.tokenizer
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams: list[Stream] = []
-    echoes: list[str] = []  # per choice: the prompt text when echo is on
-    prompt_ids: list[list[int]] = []  # per choice
-    prompt_tokens = 0
-    prompts = body.prompts()
-    # max_tokens 0 (echo only) runs as 1, since a prompt's last step samples anyway, and the
-    # token is dropped: the answer is the prompt, scored. Its n choices are the same answer, so
-    # one stream per prompt makes all of them.
-    scoring = body.max_tokens == 0
-    requested = 1 if scoring else body.max_tokens
-    copies = body.n if scoring else 1  # choices each stream answers
-    # Before tokenizing anything: a request the queue can never hold is refused outright.
-    state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
-    for prompt in prompts:
-        ids = await state.encode(prompt)
-        if body.prompt_logprobs is not None and len(ids) * (body.prompt_logprobs + 1) * body.n > MAX_SCORED_ENTRIES:
-            raise ApiError(
-                400,
-                f"echo with logprobs {body.prompt_logprobs} on a {len(ids)}-token prompt (n={body.n}) would "
-                f"return more than {MAX_SCORED_ENTRIES} logprobs; lower logprobs or n, or shorten the prompt",
-                "logprobs",
-            )
-        max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
-        params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
-        await state.check_grammar(params, _constraint_field(body))
-        streams += _choices(request, ids, params, body.n // copies, rid, len(streams), salt)
-        text = ""  # echo only: decoding a long token-id prompt is not free
-        if body.echo:
-            text = prompt if isinstance(prompt, str) else await tokens.decode(tokenizer, ids)
-        echoes += [text] * body.n
-        prompt_ids += [ids] * body.n
-        prompt_tokens += len(ids)
+    completion = _Completion(body, state.ready.tokenizer, _header(state, rid, "text_completion"))
+    streams = await completion.submit(request, state, rid, salt)
+    if not body.stream:
+        return web.json_response(await completion.response(streams))
+    return await sse_response(request, completion.events(streams))
 
-    async def echoed(i: int, prompt: list[TokenLogprob | None] | None) -> dict[str, Any] | None:
+
+class _Completion:
+    """One /v1/completions request: its prompts' streams, and the answer made of them (whole, or
+    as events). Each prompt has n choices; a choice's index is prompt * n + its number."""
+
+    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer, base: dict[str, Any]) -> None:
+        self.body, self.tokenizer, self.base = body, tokenizer, base
+        # max_tokens 0 (echo only) runs as 1, since a prompt's last step samples anyway, and the
+        # token is dropped: the answer is the prompt, scored. Its n choices are the same answer, so
+        # one stream per prompt makes all of them.
+        self.scoring = body.max_tokens == 0
+        self.copies = body.n if self.scoring else 1  # choices each stream answers
+        self.echoes: list[str] = []  # per choice: the prompt text when echo is on
+        self.prompt_ids: list[list[int]] = []  # per choice
+        self.prompt_tokens = 0
+        self.leader: list[int] = []  # per choice: the one that scored its prompt
+
+    async def submit(self, request: web.Request, state: ServerState, rid: str, salt: str | None) -> list[Stream]:
+        body, prompts = self.body, self.body.prompts()
+        requested = 1 if self.scoring else body.max_tokens
+        # Before tokenizing anything: a request the queue can never hold is refused outright.
+        state.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
+        streams: list[Stream] = []
+        for prompt in prompts:
+            ids = await state.encode(prompt)
+            if body.prompt_logprobs is not None and len(ids) * (body.prompt_logprobs + 1) * body.n > MAX_SCORED_ENTRIES:
+                raise ApiError(
+                    400,
+                    f"echo with logprobs {body.prompt_logprobs} on a {len(ids)}-token prompt (n={body.n}) would "
+                    f"return more than {MAX_SCORED_ENTRIES} logprobs; lower logprobs or n, or shorten the prompt",
+                    "logprobs",
+                )
+            max_tokens = state.max_tokens(ids, requested, default=DEFAULT_MAX_TOKENS)
+            params = body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs)
+            await state.check_grammar(params, _constraint_field(body))
+            streams += _choices(request, ids, params, body.n // self.copies, rid, len(streams), salt)
+            text = ""  # echo only: decoding a long token-id prompt is not free
+            if body.echo:
+                text = prompt if isinstance(prompt, str) else await tokens.decode(self.tokenizer, ids)
+            self.echoes += [text] * body.n
+            self.prompt_ids += [ids] * body.n
+            self.prompt_tokens += len(ids)
+        self.leader = [i - i % body.n for i in range(len(self.echoes))]
+        return streams
+
+    async def echoed(self, i: int, prompt: list[TokenLogprob | None] | None) -> dict[str, Any] | None:
         """The prompt's part of choice i's logprobs (decoding a long prompt's tokens: off the loop)."""
-        if prompt is None or body.logprobs is None:
+        if prompt is None or self.body.logprobs is None:
             return None
-        return await tokens.off_loop(len(prompt) > 256, _echo_logprobs, tokenizer, prompt_ids[i], prompt)
+        return await tokens.off_loop(len(prompt) > 256, _echo_logprobs, self.tokenizer, self.prompt_ids[i], prompt)
 
-    def logprobs(generated: list[TokenLogprob], offset: int, prompt: dict[str, Any] | None) -> Any:
-        if body.logprobs is None:
+    def logprobs(self, generated: list[TokenLogprob], offset: int, prompt: dict[str, Any] | None) -> Any:
+        if self.body.logprobs is None:
             return None
-        out = _completion_logprobs(tokenizer, [] if scoring else generated, offset)
+        out = _completion_logprobs(self.tokenizer, [] if self.scoring else generated, offset)
         return out if prompt is None else {k: prompt[k] + v for k, v in out.items()}
 
-    base = _header(state, rid, "text_completion")
-    leader = [i - i % body.n for i in range(len(echoes))]  # per choice: the one that scored its prompt
-    if not body.stream:
-        results = [r for r in await collect(streams) for _ in range(copies)]  # per choice
-        prompt_parts = [await echoed(i, results[leader[i]].prompt_logprobs) for i in range(len(results))]
+    async def response(self, streams: list[Stream]) -> dict[str, Any]:
+        n, scoring, echoes = self.body.n, self.scoring, self.echoes
+        results = [r for r in await collect(streams) for _ in range(self.copies)]  # per choice
+        prompt_parts = [await self.echoed(i, results[self.leader[i]].prompt_logprobs) for i in range(len(results))]
         choices = [
             {
                 "index": i,
                 "text": echoes[i] + ("" if scoring else r.text),
-                "logprobs": logprobs(r.logprobs, len(echoes[i]), prompt_parts[i]),
+                "logprobs": self.logprobs(r.logprobs, len(echoes[i]), prompt_parts[i]),
                 "finish_reason": "length" if scoring else r.finish_reason,
             }
             for i, r in enumerate(results)
         ]
-        cached = sum(r.cached_tokens for r in results[:: body.n])
+        cached = sum(r.cached_tokens for r in results[::n])
         completion_tokens = 0 if scoring else sum(r.completion_tokens for r in results)
-        return web.json_response(
-            {**base, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached, results[::copies])}
-        )
+        usage = _usage(self.prompt_tokens, completion_tokens, cached, results[:: self.copies])
+        return {**self.base, "choices": choices, "usage": usage}
 
-    async def events() -> AsyncGenerator[dict[str, Any], None]:
+    async def events(self, streams: list[Stream]) -> AsyncGenerator[dict[str, Any], None]:
+        body, scoring, echoes, leader, copies = self.body, self.scoring, self.echoes, self.leader, self.copies
         offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
         completion_tokens = 0
         cached = [0] * len(echoes)
@@ -194,15 +210,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
             nonlocal completion_tokens
             new_text = "" if scoring else out.text
             text, echoes[i] = echoes[i] + new_text, ""
-            prompt = await echoed(i, scores.get(leader[i]) if first else None)
-            choice_logprobs = logprobs(out.logprobs or [], offsets[i], prompt)
+            prompt = await self.echoed(i, scores.get(leader[i]) if first else None)
+            choice_logprobs = self.logprobs(out.logprobs or [], offsets[i], prompt)
             offsets[i] += len(new_text)
             completion_tokens += 0 if scoring else len(out.token_ids)
             cached[i] = out.cached_tokens
             last[i] = out
             finish = "length" if scoring and out.finished else out.finish_reason
             choice = {"index": i, "text": text, "logprobs": choice_logprobs, "finish_reason": finish}
-            return {**base, "choices": [choice], **extra}
+            return {**self.base, "choices": [choice], **extra}
 
         started: set[int] = set()
         async with aclosing(merge(streams)) as outputs:
@@ -221,13 +237,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                             yield await chunk(j, waiting, True)
         if body.include_usage:
             outs = [last[i] for i in range(0, len(echoes), copies) if i in last]
-            yield {
-                **base,
-                "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens, sum(cached[:: body.n]), outs),
-            }
-
-    return await sse_response(request, events())
+            usage = _usage(self.prompt_tokens, completion_tokens, sum(cached[:: body.n]), outs)
+            yield {**self.base, "choices": [], "usage": usage}
 
 
 def _completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:

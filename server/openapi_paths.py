@@ -111,15 +111,23 @@ _WS_MESSAGES = {"client": {"$ref": REF.format(name="WsMessage")}, "server": {"$r
 OPEN: dict[str, Any] = {"security": []}  # no API key needed
 
 
+def _generation_errors() -> dict[str, Any]:
+    return _errors(400, 401, 403, 413, 415, 503)
+
+
 def paths() -> dict[str, Any]:
-    generation_errors = _errors(400, 401, 403, 413, 415, 503)
+    """Every path of the API, by family."""
+    return {**_generation_paths(), **_model_and_token_paths(), **_service_paths()}
+
+
+def _generation_paths() -> dict[str, Any]:
     return {
         "/v1/completions": {
             "post": _op(
                 "createCompletion",
                 "openai",
                 "Complete one prompt or several (OpenAI-compatible)",
-                {"200": _json_or_sse("Completion", "CompletionChunk", "n choices per prompt"), **generation_errors},
+                {"200": _json_or_sse("Completion", "CompletionChunk", "n choices per prompt"), **_generation_errors()},
                 body="CompletionRequest",
             )
         },
@@ -128,7 +136,7 @@ def paths() -> dict[str, Any]:
                 "createChatCompletion",
                 "openai",
                 "Answer a conversation, rendered with the model's chat template (OpenAI-compatible)",
-                {"200": _json_or_sse("ChatCompletion", "ChatCompletionChunk", "n choices"), **generation_errors},
+                {"200": _json_or_sse("ChatCompletion", "ChatCompletionChunk", "n choices"), **_generation_errors()},
                 body="ChatRequest",
             )
         },
@@ -137,7 +145,7 @@ def paths() -> dict[str, Any]:
                 "createResponse",
                 "openai",
                 "One assistant turn through OpenAI's Responses API (stateless: nothing is stored)",
-                {"200": _json_or_events("ResponseObject", "the response"), **generation_errors},
+                {"200": _json_or_events("ResponseObject", "the response"), **_generation_errors()},
                 body="ResponsesRequest",
             )
         },
@@ -146,7 +154,7 @@ def paths() -> dict[str, Any]:
                 "createMessage",
                 "anthropic",
                 "One assistant turn through Anthropic's Messages API (the key as x-api-key or a bearer token)",
-                {"200": _json_or_events("AnthropicMessage", "the message"), **generation_errors},
+                {"200": _json_or_events("AnthropicMessage", "the message"), **_generation_errors()},
                 body="MessagesRequest",
             )
         },
@@ -155,10 +163,15 @@ def paths() -> dict[str, Any]:
                 "createEmbedding",
                 "openai",
                 "Embed inputs: the last token's final hidden state, L2-normalized (OpenAI-compatible)",
-                {"200": _json("EmbeddingList", "a vector per input"), **generation_errors},
+                {"200": _json("EmbeddingList", "a vector per input"), **_generation_errors()},
                 body="EmbeddingRequest",
             )
         },
+    }
+
+
+def _model_and_token_paths() -> dict[str, Any]:
+    return {
         "/v1/models": {
             "get": _op(
                 "listModels",
@@ -216,7 +229,7 @@ def paths() -> dict[str, Any]:
                 "generate",
                 "native",
                 "Generate from text or token ids; answers text and token ids",
-                {"200": _json_or_sse("GenerateResult", "GenerateChunk", "the generation"), **generation_errors},
+                {"200": _json_or_sse("GenerateResult", "GenerateChunk", "the generation"), **_generation_errors()},
                 body="GenerateRequest",
             )
         },
@@ -233,6 +246,11 @@ def paths() -> dict[str, Any]:
                 extra={"description": " ".join(_WS.split()), "x-websocket-messages": _WS_MESSAGES},
             )
         },
+    }
+
+
+def _service_paths() -> dict[str, Any]:
+    return {
         "/health": {
             "get": _op(
                 "health",
