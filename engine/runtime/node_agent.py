@@ -25,9 +25,8 @@ from ppserve.engine.cluster.fingerprint import checkpoint_fingerprint
 from ppserve.engine.cluster.remote_nodes import BEAT_S
 from ppserve.engine.cluster.rendezvous import join_cluster
 from ppserve.engine.config import EngineConfig
-from ppserve.engine.runtime.stage_pool import spawn_stage
 from ppserve.engine.runtime.stage_process import channel_specs
-from ppserve.engine.runtime.stage_worker import StageLaunch
+from ppserve.engine.runtime.stage_worker import StageLaunch, spawn_stage
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from ppserve.engine.cluster.remote_nodes import NODE_TIMEOUT_S, RemoteNodes, RemoteStage
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.runtime.expert_load import ExpertLoad
-from ppserve.engine.runtime.stage_process import channel_specs, spawn
-from ppserve.engine.runtime.stage_worker import StageLaunch, stage_main
+from ppserve.engine.runtime.stage_process import channel_specs
+from ppserve.engine.runtime.stage_worker import StageLaunch, spawn_stage
 from ppserve.transport.addresses import Addresses, free_ports, tcp_address
 from ppserve.transport.cluster_key import CurveKeys, Guard
 from ppserve.transport.control import PullSocket, PushSocket, context
@@ -132,10 +132,6 @@ class StagePool:
         self._deferred: tuple[StageError, float] | None = None  # a cluster's failure, until its deadline
         self.rendezvous: HostRendezvous | None = None
 
-    @property
-    def uses_process_group(self) -> bool:
-        return self.config.process_group is not None
-
     def stage_nodes(self) -> tuple[tuple[str, str], ...]:
         """Under Ray, per stage: its node's Ray id and address (else nothing: the layout is fixed)."""
         return ()
@@ -144,7 +140,7 @@ class StagePool:
     def replaces_all(self) -> bool:
         """Whether a failed stage is replaced together with every other (a process group cannot
         take in a new member)."""
-        return self.uses_process_group
+        return self.config.process_group is not None
 
     def _launch(self, stage: int, first_mb: int) -> StageLaunch:
         return StageLaunch(
@@ -238,7 +234,7 @@ class StagePool:
     async def _renew(self) -> None:
         """Before (re)starting stages: a fresh process group's store port (the old store may
         still linger). Under Ray, placing them (engine/runtime/ray_stages.py)."""
-        if self.uses_process_group and self.config.cluster is None:
+        if self.config.process_group is not None and self.config.cluster is None:
             self._dist_port = free_ports(1)[0]
 
     async def _kill(self, stage: int) -> None:
@@ -501,7 +497,3 @@ class StagePool:
         if self.rendezvous is not None:
             self.rendezvous.close()
         self.addresses.cleanup()
-
-
-def spawn_stage(launch: StageLaunch) -> BaseProcess:
-    return spawn(stage_main, launch, f"ppserve-stage-{launch.stage}")

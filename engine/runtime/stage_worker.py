@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +42,7 @@ from ppserve.engine.runtime.gpu_clock import GpuClock, Span
 from ppserve.engine.runtime.latency_profile import profile_points, run_profile
 from ppserve.engine.runtime.priority import lower_this_thread
 from ppserve.engine.runtime.prompt_logprobs import last_stage_outputs, make_sampler, prompt_rows
-from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name
+from ppserve.engine.runtime.stage_process import keep_freed_memory, set_process_name, spawn
 from ppserve.engine.runtime.synthetic import SyntheticRunner
 from ppserve.transport.addresses import Addresses
 from ppserve.transport.channels import open_channel
@@ -105,6 +106,11 @@ def _init_compute_thread(threads: int, gpu: int | None, nice: int) -> None:
     torch.set_num_threads(threads)
     if gpu is not None:
         torch.cuda.set_device(gpu)
+
+
+def spawn_stage(launch: StageLaunch) -> BaseProcess:
+    """A stage's process, running `stage_main`."""
+    return spawn(stage_main, launch, f"ppserve-stage-{launch.stage}")
 
 
 def stage_main(launch: StageLaunch) -> None:
@@ -359,7 +365,8 @@ class StageWorker:
         """Each plan goes to the compute thread as soon as its inputs are here, queued behind the
         one computing: the thread goes from plan to plan without a trip through this loop in
         between (at PP=1, where the next plan is usually here before the last one ends, that
-        trip cost 0.6 ms of a 15 ms decode step). The send task awaits the outputs in order."""
+        trip was a measurable share of a decode step: docs/benchmarks.md#where-a-decode-step-goes).
+        The send task awaits the outputs in order."""
         loop = asyncio.get_running_loop()
         while (item := await received.get()) is not None:
             plan, header, hidden = item
