@@ -99,8 +99,8 @@ class BlockAllocator:
         """n blocks for new contents: free ones first, then the least recently used cached ones.
 
         In ascending order: blocks taken together then mostly lie one after the other in memory,
-        which the CPU decode kernel reads about twice as fast as scattered or reversed blocks
-        (README, "Benchmarks: prefix caching"). Eviction goes tail first (see `free`), which
+        which the CPU decode kernel reads faster than scattered or reversed blocks
+        (docs/benchmarks.md#prefix-caching). Eviction goes tail first (see `free`), which
         alone would hand out an old request's blocks backwards."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free")

@@ -14,7 +14,7 @@ from ppserve.scheduler.chunk_predictor import LatencyModel, fit_latency_model
 
 log = logging.getLogger(__name__)
 
-REFIT_EVERY = 16  # new samples between refits (a fit is ~100 us of pure Python per stage)
+REFIT_EVERY = 16  # new samples between refits (a fit is pure Python per stage: not at every sample)
 WINDOW = 256  # recent measured samples kept per stage, so the model follows drift
 MATERIAL_CHANGE = 0.1  # log a refit when the predicted first-chunk time moves by more than this
 

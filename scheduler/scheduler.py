@@ -14,7 +14,7 @@ Pipelining rules:
   the next, so a request's next decode step is planned while the token it reads is still being
   sampled (a `follows` chunk: the stage puts its own token in). The stage starts that step as
   soon as the previous one ends, and the host's turnaround (result, update, plan) overlaps the
-  compute instead of stalling it (at batch 1 on SmolLM2, 0.7 ms of every 15 ms step). A step
+  compute instead of stalling it (docs/benchmarks.md#where-a-decode-step-goes). A step
   planned ahead past a request's end (EOS, a stop string) is computed and its token dropped, so
   it takes only empty blocks: it never preempts or evicts for a token that may be dropped. Not
   for requests with a grammar (the stage starts their masks before the plan's token is known)
@@ -73,7 +73,7 @@ class SchedulerConfig:
     pp_size: int
     # Plans in flight beyond one per stage. 0: a spare plan would hide the host's turnaround, but
     # decodes would then split into pp_size + 1 smaller micro-batches; on CPUs the smaller GEMMs
-    # cost more than the turnaround (scripts/bench_peers.py: +6% tokens/s at PP=1 and PP=2).
+    # cost more than the turnaround (docs/benchmarks.md#where-a-decode-step-goes).
     async_depth: int = 0
     decode_ahead: bool = True  # at PP=1: plan a request's next decode step before its token is back
     max_running_requests: int = 256

@@ -1,12 +1,12 @@
 """Limits on the lists and strings a client sends, checked right after decoding.
 
 The body size (16 MiB) bounds a request, but not what one can cost: 1M stop strings fit in it,
-and every generated token was matched against each of them (37 s for one request, and three of
-them starved every other stream). So each list a request may send is bounded, and so is each
-string that is kept for the whole request; going past a limit is a 400 naming the field and
-the limit, before any tokenizing or compute. The limits are flags of `ppserve serve`
-(`RequestLimits`, held by ServerOptions), and the OpenAPI document shows them (maxItems,
-maxLength).
+and every generated token was matched against each of them (one such request ran for many
+seconds, and a few of them starved every other stream). So each list a request may send is
+bounded, and so is each string that is kept for the whole request; going past a limit is a 400
+naming the field and the limit, before any tokenizing or compute. The limits are flags of
+`ppserve serve` (`RequestLimits`, held by ServerOptions), and the OpenAPI document shows them
+(maxItems, maxLength).
 
 Bounded elsewhere: ids and `user` (protocol.py, fixed lengths), `n` (MAX_N), prompts x n
 (--max-waiting-requests), token-id prompts and text (the context length), `suffix` (taken only

@@ -25,11 +25,10 @@ using namespace ppserve;
 // into a float32 accumulator whatever M is, so a row's result does not depend on what else is in
 // the batch: a request's tokens come out the same alone and in any micro-batch (the pipeline's
 // split into stages changes the batches, and PP=1 and PP=P stay bitwise equal).
-// Against oneDNN's packed float32 linear (scripts/bench_quant.py, SmolLM2's layers; runs vary):
-// 0.55-0.8x the time at batch 1, where a step is a pass over the weights, about 0.8x at 32 rows
-// (0.95-1.05x before the next group's weights were fetched during the current one's passes), and
-// 1.0-1.1x at prefill sizes (256-2048 rows). On an AMD EPYC (Zen 4), the same within 10% from 32
-// to 2048 rows (0.5B shape's down projection at 2048 rows: 81.5 against 79.6 ms).
+// Against oneDNN's packed float32 linear it is faster at batch 1, where a step is a pass over the
+// weights, and at decode batches (the next group's weights fetched during the current one's
+// passes), and level at prefill sizes (`python -m benchmarks quant`:
+// docs/models.md#quantized-weights).
 constexpr int64_t kFLanes = 32;   // output rows per group: two 16-lane registers
 constexpr int kFRows = 8;         // activation rows per pass over a group's weights
 constexpr int64_t kFChunk = 256;  // activation rows whose passes share a group's weights in cache
@@ -63,9 +62,9 @@ template <int R>
 // activation row's pair, broadcast, adds two products into every lane. Accumulated in float32 with
 // the bias added there and the output rounded to bfloat16 once, as oneDNN's bfloat16 linear does.
 // Each row's sums run over K in the same order whatever the batch, as float_gemm's do. Against
-// oneDNN's bfloat16 linear (SmolLM2's and the 0.5B shape's layers, AMD Zen 4): 0.2-0.6x the time
-// at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 to 2048; SmolLM2's decode step at 32 requests,
-// which no longer calls back into Python for its linears: 48 -> 38 ms.
+// oneDNN's bfloat16 linear it is faster at a few rows, where oneDNN's kernels read the weights
+// well below the memory's speed, and level at prefill sizes; and a decode step no longer calls
+// back into Python for its linears (docs/benchmarks.md#against-vllm-and-llamacpp).
 template <int R>
 [[gnu::always_inline]] inline void float_group(const uint16_t* x, int64_t K, const uint32_t* w,
                                                const uint32_t* next, __m512* out) {
@@ -95,7 +94,7 @@ template <int R, typename X, typename W>
 [[gnu::always_inline]] inline void float_rows(int rows, const X* x, int64_t K, const W* w, const W* next,
                                               __m512* acc) {
   // the rows' accumulators stay in registers: one instance per count, inlined (or `acc` would be
-  // memory, and the GEMM 2x slower)
+  // memory, read and written at every FMA)
   if constexpr (R == 1) {
     float_group<1>(x, K, w, next, acc);
   } else if (rows == R) {
@@ -107,7 +106,8 @@ template <int R, typename X, typename W>
 
 // One pass over a group's weights, a call of its own: inlined into the GEMM's loop, with the bias
 // and the masks live around it, GCC kept one of the two weight registers on the stack and read it
-// back for every FMA (on AMD Zen 4, 1.35x the time at prefill sizes).
+// back for every FMA, which slowed it at prefill sizes on AMD Zen 4
+// (docs/benchmarks.md#against-vllm-and-llamacpp).
 template <typename X, typename W>
 [[gnu::noinline]] void float_pass(int rows, const X* x, int64_t K, const W* w, const W* next, __m512* acc) {
   float_rows<kFRows>(rows, x, K, w, next, acc);
@@ -136,8 +136,8 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
         // A group's first pass waits on memory for its weights and the later ones find them in
         // cache, computing; the second pass brings in the next group's (the thread's next), so
         // that the next group's first pass computes too. With a single pass (up to 8 rows), it
-        // brings them in itself: two streams from memory rather than one (8 rows: 0.8x the time;
-        // batch 1 is at memory speed either way).
+        // brings them in itself: two streams from memory rather than one, which helps at a few
+        // rows (batch 1 is at memory speed either way).
         const bool fetch_next = (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;
         const float* next = fetch_next ? w + after * K * kFLanes : nullptr;
         float_pass(rows, x + r0 * K, K, w + g * K * kFLanes, next, acc);
@@ -206,9 +206,9 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
 //         scales and mins fp16 [16] each, w = q * scale + min (GGUF's Q4_1; Q4_0's min is -8 scale)
 //   int8: 512 bytes, chunk t: lane l's byte k = w[l][4t + k] + 128 (vpdpbusd multiplies unsigned by
 //         signed bytes; the 128 * sum(x) it adds is taken off again); scales fp16 [16], w = q * scale
-// At batch 1 this reads the weights at about memory speed; at 32 and 256 rows it takes 0.4-0.5x the
-// time of torch's int4 kernel, and 0.6-0.7x float32's (scripts/bench_quant.py; where oneDNN's
-// bfloat16 runs on AMX tiles, that is faster from 32 rows on).
+// At batch 1 this reads the weights at about memory speed; from 32 rows on it is faster than
+// torch's int4 kernel and than float32 (where oneDNN's bfloat16 runs on AMX tiles, that is faster
+// from 32 rows on). `python -m benchmarks quant` times them all: docs/models.md#quantized-weights.
 constexpr int64_t kQBlock = 32;  // inputs per scale, of weights and activations alike
 constexpr int64_t kQLanes = 16;  // output rows per group
 constexpr int kQRows = 8;        // activation rows per pass over a group's weights

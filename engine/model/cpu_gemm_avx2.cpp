@@ -15,9 +15,9 @@ using namespace ppserve;
 // activation row takes all four (batch 1: four independent sums a k, a pass over the weights at
 // memory speed); more rows take the group in two halves of 16 (lanes 0-15 lie in one cache line of
 // each k, 16-31 in the next), six rows at a time, so that 12 accumulators fit the 16 registers.
-// GCC kept the accumulators on the stack, stored every k, until told to unroll the loops (2-2.6x
-// oneDNN's time from 32 rows on; unrolled, on SmolLM2's shapes, AMD EPYC, 2 threads: 0.31-0.38x
-// oneDNN's packed linear at one row, 0.86-0.92x at 32, 0.96-1.08x at 512).
+// The loops are unrolled because otherwise GCC kept the accumulators on the stack, stored every k,
+// and the GEMM fell well behind oneDNN's from 32 rows on; unrolled, it is the fastest or near it at
+// every row count (docs/benchmarks.md#on-a-cpu-with-avx2-alone).
 constexpr int64_t kFLanes = 32;
 constexpr int kFRows = 6;
 constexpr int64_t kFChunk = 256;

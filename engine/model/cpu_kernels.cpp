@@ -69,9 +69,8 @@ inline void store16(uint16_t* p, __m512 x) {  // x already a bfloat16 value (rou
 // one transpose-and-add tree (sum16) turns them into a vector of the sixteen scores, about three
 // instructions a token where reducing each vector on its own takes ten. Sixteen keys are read from
 // memory once, for the first query head of their kv head, and from the L1 cache for the others;
-// bfloat16 keys are widened to float once for all of those heads (32 requests at 250 tokens, a
-// step's attention: SmolLM2's 30 layers, 3 heads a kv head, 13.0 -> 11.4 ms; the 0.5B shape's 24
-// layers, 7 heads a kv head, 10.4 -> 8.0 ms).
+// bfloat16 keys are widened to float once for all of those heads, not once a head, which saves the
+// more the more query heads share a kv head (docs/benchmarks.md#against-vllm-and-llamacpp).
 //
 // Values: a token's value is loaded once for a block of JB query heads, and every accumulator is
 // a register, so that consecutive tokens' work overlaps. The sums are the same ones in another
@@ -148,8 +147,8 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
     for (int j = 0; j < JB; ++j)
       for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      // a value is asked for 32 tokens ahead (8 ahead: SmolLM2's bfloat16 step, 30 layers'
-      // attention at 32 requests of 240 tokens, 0.92x the time; float32 0.96x)
+      // a value is asked for 32 tokens ahead rather than 8, so that its lines have come from memory
+      // by the time the loop reaches it (docs/benchmarks.md#against-vllm-and-llamacpp)
       if (j0 == 0 && t + 32 < n) prefetch_row<T, NV>(values[t + 32]);
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(values[t] + 16 * i);
@@ -166,9 +165,8 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
 #if defined(__AVX512BF16__)
 // The same two loops for bfloat16 with the CPU's bfloat16 dot products (vdpbf16ps: two products a
 // float lane), which take pairs of elements as they lie in memory: no widening to float, half the
-// multiply instructions (SmolLM2's bfloat16 decode step at 32 requests of 240 tokens, 30 layers'
-// attention: 17.3 -> 15.5 ms; what is left is mostly waiting on its 177 MB of keys and values
-// from memory).
+// multiply instructions. What is left of the time is mostly waiting on the keys and values from
+// memory (docs/benchmarks.md#against-vllm-and-llamacpp).
 //
 // Scores: a query head's dot product with a key is NV / 2 of them over the raw rows.
 template <int NV>
@@ -255,9 +253,9 @@ void values_bf16(const float* probs, int64_t group, const uint16_t* const* value
 }
 #endif
 #elif defined(PPSERVE_AVX2)
-// The two loops over keys on 256-bit vectors (head_dim = 8 * NV), for CPUs without AVX-512. Where
-// the compiler was left to vectorize the plain loops below, SmolLM2's decode attention at 32
-// requests of 200 tokens took 126 ms a step (30 layers); these take a tenth of that.
+// The two loops over keys on 256-bit vectors (head_dim = 8 * NV), for CPUs without AVX-512, written
+// out because the compiler, left to vectorize the plain loops below, made decode attention several
+// times slower (docs/benchmarks.md#k-quant-gguf-files-against-llamacpp).
 //
 // Scores: eight tokens' dot products with one query head are eight vectors of partial sums, summed
 // into one vector of the eight scores by one transpose-and-add tree (sum8). bfloat16 keys are
@@ -328,7 +326,8 @@ void values_simd(const float* probs, int64_t group, const T* const* values, int6
 #endif
 
 // s[0, n) -> exp(s - max s), each rounded to T (see round_as); returns the sum of the unrounded
-// values. In bfloat16 the scalar loops took a third of SmolLM2's decode attention.
+// values. Vectorized: in bfloat16 the scalar loops (the maximum, each probability's rounding)
+// were a large share of decode attention (docs/benchmarks.md#against-vllm-and-llamacpp).
 template <typename T>
 float softmax(float* s, int64_t n) {
   float m = s[0];
@@ -483,8 +482,9 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // Prefill attention: the queries of prompt chunks, causal over their prompts' keys, by tiles of
-// sixteen keys in registers (torch's flash SDPA reaches some 60 GFLOP/s on two cores at 192-token
-// prompts; a prefill step of SmolLM2 spent a sixth of its time there).
+// sixteen keys in registers (torch's flash SDPA runs far below the CPU's arithmetic peak on prompts
+// of a few hundred tokens, and was a sizeable share of a prefill step:
+// docs/benchmarks.md#against-vllm-and-llamacpp).
 //
 // Shapes (rows of tokens, each with its own row stride in elements, so that q, k and v can be
 // the views of one fused projection):
@@ -673,8 +673,8 @@ void rms_norm(T* h, const T* add, const T* weight, T* out, int64_t rows, int64_t
     float sum = 0.0f;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    // The add and the sum of squares in one pass, on 512-bit vectors (bfloat16's scalar rounding
-    // kept GCC from vectorizing the add: SmolLM2's bfloat16 prefill step spent 21 ms in the norms)
+    // The add and the sum of squares in one pass, on 512-bit vectors, written out because
+    // bfloat16's scalar rounding kept GCC from vectorizing the add
     __m512 squares = _mm512_setzero_ps();
     for (; i + 16 <= dim; i += 16) {
       __m512 v = load16(x + i);
@@ -825,9 +825,9 @@ void apply_token_bitmask(float* logits, int64_t stride, const int32_t* masks, in
 
 // Greedy sampling (engine/model/sampler.py): out[r] = the index of the largest logit of row r
 // (rows `stride` apart), the first one where several are equal, and the first NaN's where there is
-// one, as torch.argmax. torch's reduction tracks an index with every compare (1 ms for 32 rows of
-// SmolLM2's 49152); here one vectorized pass finds the largest value and a second the first place
-// it is, which stops early and reads the row from the cache.
+// one, as torch.argmax. torch's reduction tracks an index with every compare; here one vectorized
+// pass finds the largest value and a second the first place it is, which stops early and reads the
+// row from the cache.
 void argmax_rows(const float* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* out) {
 #pragma omp parallel for if (rows * vocab >= 4 * kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {

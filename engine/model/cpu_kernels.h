@@ -43,7 +43,8 @@ constexpr int64_t kParallelElements = 1 << 15;
 
 #if defined(__AVX512F__)
 // exp(x) for SiLU (silu_mul, float_gemm_silu) and decode attention's softmax, within 2 float32
-// ulps: libmvec's expf took half of silu_mul's time at prefill sizes. 2^n e^r with
+// ulps, the library's own because libmvec's expf was a large share of silu_mul's time at prefill
+// sizes (docs/benchmarks.md#against-vllm-and-llamacpp). 2^n e^r with
 // n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by Cephes'
 // expf polynomial, and 2^n applied by scalef, which overflows to infinity and underflows to zero
 // as exp does. x is clamped first (min/max with x second keep NaN).
@@ -149,13 +150,13 @@ inline float reduce_max8(__m256 a) {
 // Items [0, n) over the calling thread's OpenMP team, as `omp parallel for schedule(static)` splits
 // them (one contiguous range per thread, each taken in order from its front), except that a thread
 // whose range is done then takes the items still left at the back of the others', one at a time.
-// Why: at batch 1 a GEMM is a pass over its weights at memory speed, a region of 50-300 us, and the
-// server's other threads (its host, event loops, ZeroMQ's I/O) wake on these same cores every
-// token. Each wake-up stops one thread of the team; under a static split the other one then waited
-// at the region's end for as long, and a served step took 1-1.5 ms longer than the same step in
-// one process. A dynamic schedule would have covered for it too, but interleaved items break each
-// thread's sequential stream through the weights (13.5 -> 17 ms a step). SmolLM2's batch-1 GEMMs
-// beside a process that spins 10% of a core: 0.96-0.98x the static split's time, the same alone.
+// Why: at batch 1 a GEMM is a pass over its weights at memory speed, a region so short that one
+// wake-up is a sizeable part of it, and the server's other threads (its host, event loops, ZeroMQ's
+// I/O) wake on these same cores every token. Each wake-up stops one thread of the team; under a
+// static split the other one then waited at the region's end for as long, and a served step took
+// longer than the same step in one process. A dynamic schedule would have covered for it too, but
+// interleaved items break each thread's sequential stream through the weights, which made a step
+// slower. Beside a busy process this takes less time than the static split; alone, the same.
 // Which thread computes an item does not change its result. f(item, next): `next` is the item
 // that thread most likely takes after this one (for its prefetches), or -1. n < 2^32. `f` must not
 // call shared_for with the same `F` (its ranges are per calling thread and per `F`).

@@ -3,30 +3,31 @@ one library, loaded with ctypes.
 
 - Decode attention: SDPA needs each request's keys and values gathered into one padded tensor
   first, and its flash kernel is tuned for many queries; for one query per request the gather
-  and the kernel cost several times what reading the cache once does (scripts/profile_step.py).
-  The kernel reads the cache in place, with AVX-512 or, on x86 CPUs without it, AVX2 (the
-  compiler's own vectorization of the plain loops made SmolLM2's decode attention at 32 requests
-  of 200 tokens 126 ms a step; the AVX2 loops take 26).
-- Prefill attention: torch's flash SDPA reaches some 60 GFLOP/s on two cores at a few hundred
-  tokens a prompt; the kernel's tiles of keys in registers reach 100-240 (bfloat16 dot products
-  where the CPU has AVX-512 BF16; built only there). SmolLM2's bfloat16 prefill step of 2048
-  tokens: attention 290 -> 106 ms.
+  and the kernel cost several times what reading the cache once does
+  (docs/benchmarks.md#where-a-decode-step-goes). The kernel reads the cache in place, with AVX-512
+  or, on x86 CPUs without it, AVX2 loops written out by hand (the compiler's own vectorization of
+  the plain loops was several times slower: docs/benchmarks.md#k-quant-gguf-files-against-llamacpp).
+- Prefill attention: torch's flash SDPA runs far below the CPU's arithmetic peak at a few hundred
+  tokens a prompt; the kernel's tiles of keys in registers, shared by the query heads of a kv head,
+  do much better (bfloat16 dot products where the CPU has AVX-512 BF16; built only there;
+  docs/benchmarks.md#against-vllm-and-llamacpp).
 - The glue of a decoder layer: residual add with RMSNorm, SiLU(gate) * up, RoPE on q and k with
   the KV cache write. In torch these are some twenty ops per layer, each a dispatch and a pass
   over memory; on a thin, deep model at small batches they cost as much as the GEMMs.
-- Constrained decoding's token bitmask applied to the logits (a few microseconds a row, where
-  unpacking the bits with torch ops costs a fraction of a millisecond).
-- The float32 (AVX-512 or AVX2) and bfloat16 GEMMs of the linears (engine/model/linear.py): a model's step at batch
-  1 is mostly one read of its weights, which oneDNN's kernels for a few rows do well below the
-  memory's speed; ppserve's reads them at memory speed, and stays within 10% of oneDNN's at
-  prefill sizes. The bfloat16 one (CPUs with AVX-512 BF16) also spares a decode step its calls
-  back into Python for oneDNN.
+- Constrained decoding's token bitmask applied to the logits (one pass over a row, far cheaper
+  than unpacking the bits with torch ops).
+- The float32 (AVX-512 or AVX2) and bfloat16 GEMMs of the linears (engine/model/linear.py): a
+  model's step at batch 1 is mostly one read of its weights, which oneDNN's kernels for a few rows
+  do well below the memory's speed; ppserve's reads them at memory speed, and keeps level with
+  oneDNN's at prefill sizes (docs/models.md#quantized-weights). The bfloat16 one (CPUs with
+  AVX-512 BF16) also spares a decode step its calls back into Python for oneDNN.
 - GGUF's quantized tensors (Q4_K, Q5_K, Q6_K, Q5_0 and the rest) as they lie in the file
   (gguf_gemm.cpp, engine/model/gguf_quant.py): a linear and an embedding lookup, on any CPU.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4
-  and int8 kernels compute in bfloat16 and reach a third of the memory's speed at batch 1. Built
-  only where the CPU has AVX-512 VNNI; elsewhere torch's kernels run.
+  and int8 kernels compute in bfloat16 and read the weights well below the memory's speed at
+  batch 1 (docs/models.md#quantized-weights). Built only where the CPU has AVX-512 VNNI; elsewhere
+  torch's kernels run.
 
 The library is compiled with the system's g++ at the first stage start on a machine (a few
 seconds) into `kernels/` of the cache directory (engine/model/cache_dir.py: ~/.cache/ppserve by
@@ -104,8 +105,8 @@ FLAGS += ["-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-s
 # set, and the CPU flags (/proc/cpuinfo) its code needs.
 ISA_ENV = "PPSERVE_CPU_ISA"
 ISA_FLAGS = {
-    # GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise; the elementwise
-    # loops run 1.1-1.6x faster in 512 (bfloat16's SiLU * up: 1.59 -> 0.98 ms for 2048 rows).
+    # GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told otherwise, and the
+    # elementwise loops run faster at 512 bits (docs/benchmarks.md#against-vllm-and-llamacpp).
     "native": ["-march=native", "-mprefer-vector-width=512"],
     # What an AVX2 CPU without AVX-512 has (Haswell, Zen 1-3).
     "avx2": ["-march=x86-64-v3"],

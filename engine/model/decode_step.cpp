@@ -1,10 +1,10 @@
 // A decode step's decoder layers in one call (engine/model/decode_step.py builds its arguments).
 //
 // On a thin, deep model at small batches the layers' own kernels are quick, and what is left is the
-// Python around them: per layer some ten module calls, views, allocations and ctypes calls, about
-// 0.1 ms a layer, a third of SmolLM2's step at batch 1. Here the same kernels run in the same
-// order on the same values, from C++: the result is bitwise the one of the layer-by-layer forward
-// (engine/model/model.py), which a mixed micro-batch still takes.
+// Python around them: per layer some ten module calls, views, allocations and ctypes calls, a large
+// share of the step at batch 1 (docs/benchmarks.md#where-a-decode-step-goes). Here the same kernels
+// run in the same order on the same values, from C++: the result is bitwise the one of the
+// layer-by-layer forward (engine/model/model.py), which a mixed micro-batch still takes.
 //
 // For float32 and bfloat16, and a micro-batch of decode tokens only (one per request, in the
 // batch's row order). A linear runs one of this library's GEMMs (cpu_gemm.cpp) where the model's

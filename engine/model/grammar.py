@@ -9,7 +9,8 @@ into a matcher that says, at each step, which tokens may come next (engine/model
 Why llguidance (and not xgrammar): a 3 MB wheel with no dependencies, where xgrammar's pulls in
 transformers' stack and triton on x86_64 Linux; masks in tens of microseconds per request (an
 Earley parser over a token trie, no precomputed tables), and grammars compile in about a
-millisecond, so compiling is never the long pole (docs/structured-outputs.md has the figures).
+millisecond, so compiling is never the long pole (docs/benchmarks.md#structured-outputs has the
+figures).
 
 Compiled grammars are cached by their text: a matcher for a new request is a copy of the cached
 one (microseconds). Everything here is bounded: the text's length (MAX_SPEC_CHARS), its rules and
@@ -61,9 +62,10 @@ _LIMITS: dict[str, Any] = dict(
 # takes the slice whole instead of walking its tokens. Its default slices are plain string
 # characters of lengths 1-10, 1-30 and any. Inside a string with a maxLength, fewer than 10 (or 30)
 # characters may be left, and then most of the vocabulary is walked token by token: those states
-# cost 100-500 us a mask. Finer lengths near the end keep them sliced, and halve the mean mask on
-# the benchmark's schema (scripts/bench_structured.py). Building the tokenizer's slices takes
-# up to about 0.15 s more, once per model. The masks are the same either way: slices only skip work.
+# make the costliest masks. Finer lengths near the end keep them sliced, which makes the mean
+# mask on the structured-outputs benchmark's schema much cheaper
+# (docs/structured-outputs.md#how-it-works), for a longer build of the tokenizer's slices, once per
+# model. The masks are the same either way: slices only skip work.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a character a JSON string may hold unescaped
 SLICES = [r"[\x20\x0A\x0D\x09]+"]  # whitespace
 SLICES += [f"{_STRING_CHAR}{{1,{n}}}" for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 30)] + [f"{_STRING_CHAR}+"]

@@ -12,7 +12,7 @@ def start_grammar_thread() -> ThreadPoolExecutor:
     """One worker, at the stage's own priority. At idle priority (Linux's SCHED_IDLE), tried for
     PP > 1, it was starved whenever both cores computed, and when that happened while it held the
     GIL or the grammar cache's lock, the compute thread waited for it (a priority inversion):
-    constrained first tokens came 13-18% later at PP=2 (docs/structured-outputs.md)."""
+    constrained first tokens came later at PP=2 (docs/structured-outputs.md#how-it-works)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
 

@@ -4,12 +4,13 @@ output independent of how requests are batched.
 A float32 or bfloat16 linear has up to three kernels (engine/model/linear.py): ppserve's own GEMM,
 oneDNN's packed one (which uses the AMX tiles where the CPU has them) and torch's matmul. Which is
 fastest depends on the CPU and on the row count: on an AMD EPYC with AVX-512 BF16, ppserve's
-bfloat16 GEMM took 0.2-0.6x oneDNN's time at 1-5 rows, while on an Intel Xeon with AMX oneDNN was
-the faster from 32 rows on. But only ppserve's GEMM gives a row the same bits whatever else is in
-its batch (each output one sum in a fixed order; oneDNN and torch pick their kernels by the row
-count, and torch's one-row product is a different routine), and ppserve promises that a request's
-tokens do not depend on how the pipeline batched it: chunked or not, prefix-cached or not, PP=1 or
-PP=4. So the choice has two modes (EngineConfig.kernel_choice, $PPSERVE_KERNEL_CHOICE):
+bfloat16 GEMM was the faster at a few rows, while on an Intel Xeon with AMX oneDNN was the faster
+from 32 rows on (docs/models.md#quantized-weights). But only ppserve's GEMM gives a row the same
+bits whatever else is in its batch (each output one sum in a fixed order; oneDNN and torch pick
+their kernels by the row count, and torch's one-row product is a different routine), and ppserve
+promises that a request's tokens do not depend on how the pipeline batched it: chunked or not,
+prefix-cached or not, PP=1 or PP=4. So the choice has two modes (EngineConfig.kernel_choice,
+$PPSERVE_KERNEL_CHOICE):
 
 - `invariant` (the default): ppserve's GEMM wherever it runs the linear; elsewhere (no kernel
   library, a bfloat16 width it cannot take) the one kernel of the others that is fastest over the

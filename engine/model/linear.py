@@ -5,13 +5,15 @@ Decode GEMMs are skinny (a handful to a few hundred rows against thousands of co
 BLAS call behind `F.linear` is slow; the weight laid out once for a kernel is not:
 - float32: ppserve's own GEMM (engine/model/cpu_gemm.cpp, AVX-512 or AVX2), where the CPU kernel
   library is built: at batch 1 a step reads every weight once, and this kernel reads them at memory
-  speed, in 0.55-0.8x oneDNN's time (AVX2: 0.3-0.4x); from 32 rows on the two are within 10%
-  (scripts/bench_quant.py).
-- bfloat16: the same GEMM with bfloat16 dot products where the CPU has AVX-512 BF16: 0.2-0.6x
-  oneDNN's time at 1-5 rows, 0.7-0.94x at 32, within 5% from 256 rows. With AVX2 alone (where
-  oneDNN has no bfloat16 linear) it widens the weights to float: 0.2-0.5x torch's time at 1-256 rows.
+  speed, faster than oneDNN's (by more on AVX2); from 32 rows on the two are about level
+  (`python -m benchmarks quant`: docs/models.md#quantized-weights).
+- bfloat16: the same GEMM with bfloat16 dot products where the CPU has AVX-512 BF16: faster than
+  oneDNN's at a few rows, level from a few hundred rows. With AVX2 alone (where oneDNN has no
+  bfloat16 linear) it widens the weights to float, faster than torch's at every row count
+  (docs/benchmarks.md#on-a-cpu-with-avx2-alone).
 - elsewhere (and without the library): oneDNN with the weights reordered once into its blocked
-  layout, 1.3-2x faster than `F.linear` in float32 and 2-4x in bfloat16.
+  layout, faster than `F.linear` at decode shapes, and more so in bfloat16
+  (docs/benchmarks.md#where-a-decode-step-goes).
 Fusing q/k/v and gate/up turns five calls per layer into two wider ones.
 
 The checkpoint is loaded into the usual `nn.Linear` modules (their names are the checkpoint's);
@@ -35,8 +37,7 @@ from ppserve.engine.model.quantized import GGUF_KEPT, QuantLinear, QuantWeight, 
 
 # oneDNN picks its blocking for this many rows; the packed weight serves any row count.
 PACK_ROWS_HINT = 64
-# oneDNN's kernels for one to three rows read the packed weight slower than its four-row one
-# (SmolLM2's layers at batch 1: 34.2 against 33.2 ms a step; at batch 2: 44 against 37), so
+# oneDNN's kernels for one to three rows read the packed weight slower than its four-row one, so
 # fewer rows are padded to four with zeros and the extra outputs dropped.
 MIN_ROWS = 4
 PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -61,9 +62,9 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def onednn_rows(rows: int) -> int:
     """The row count a oneDNN linear runs `rows` at: at least MIN_ROWS, and rounded up to one of a
-    few sizes, since oneDNN makes (JIT-compiles) a kernel for each new shape (about 0.7 ms).
-    Unpadded, a server's first minutes paid that for every batch size, 1 to 256, and every
-    prefill chunk size."""
+    few sizes, since oneDNN makes (JIT-compiles) a kernel for each new shape. Unpadded, a server's
+    first minutes paid that for every batch size, 1 to 256, and every prefill chunk size
+    (docs/benchmarks.md#against-vllm-and-llamacpp)."""
     if rows <= MIN_ROWS:
         return MIN_ROWS
     step = 8 if rows <= 256 else 64  # decode sizes are memory-bound: 7 more rows cost little there
@@ -138,11 +139,12 @@ class Linear(nn.Module):
         kernel: str | Sequence[str] | None = None,
         gated: bool = False,
     ) -> None:
-        """`kernel`: one of KERNELS (scripts/bench_quant.py times them), or one per row count of
-        kernel_choice.ROWS (the chooser's, engine/model/kernel_choice.py: the weight is laid out for
-        each kernel named); by default `default_kernel`. `gated`: the weight is an MLP's [gate; up].
-        Where ppserve's GEMM runs it, the SiLU is done on its output registers (`silu` is then True,
-        and the other kernel's output goes through the SiLU kernel); elsewhere the caller applies it."""
+        """`kernel`: one of KERNELS (`python -m benchmarks kernel-choice` times them), or one per row
+        count of kernel_choice.ROWS (the chooser's, engine/model/kernel_choice.py: the weight is laid
+        out for each kernel named); by default `default_kernel`. `gated`: the weight is an MLP's
+        [gate; up]. Where ppserve's GEMM runs it, the SiLU is done on its output registers (`silu` is
+        then True, and the other kernel's output goes through the SiLU kernel); elsewhere the caller
+        applies it."""
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         if kernel is None or isinstance(kernel, str):

@@ -12,8 +12,9 @@ Two CPU kernels run them:
   in integers. The weights are repacked for it at load, scales as float16 (the GGUF's own values).
 - torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` elsewhere: bfloat16 activations,
   one scale per row for int8 (a Q8_0 block's scale is folded into its row's by requantizing).
-At batch 1 they read 4-8x fewer bytes than float32 (scripts/bench_quant.py measures both against
-the packed float linears); on devices other than the CPU the weight is dequantized once at load.
+At batch 1 they read 4-8x fewer bytes than float32 (`python -m benchmarks quant` times both against
+the packed float linears: docs/models.md#quantized-weights); on devices other than the CPU the
+weight is dequantized once at load.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ class QuantLinear(nn.Module):
         device: torch.device,
         kernel: str | None = None,
     ) -> None:
-        """`kernel`: "ppserve" or "torch" on the CPU (scripts/bench_quant.py times both); by default
-        ppserve's where it runs."""
+        """`kernel`: "ppserve" or "torch" on the CPU (`python -m benchmarks quant` times both); by
+        default ppserve's where it runs."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits = weight.bits

@@ -15,10 +15,10 @@ replaced last stage constrains exactly as the old one would have.
 
 A sampled token is drawn by inverse transform: one uniform number per row and step, the first
 token whose cumulative probability exceeds it, found block by block (`inverse_transform`; no
-noise over the whole vocabulary: drawing 49k exponentials per row cost a millisecond). A seeded
-request draws its number from a generator seeded with (seed, step), so its output depends on its
-seed, its step and its logits only: never on what else is in the batch, and never on the
-sampler's history (a replaced last stage carries on exactly).
+noise over the whole vocabulary, where an exponential drawn for every token of every row was a
+cost of its own). A seeded request draws its number from a generator seeded with (seed, step), so
+its output depends on its seed, its step and its logits only: never on what else is in the batch,
+and never on the sampler's history (a replaced last stage carries on exactly).
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def _uniform(generator: torch.Generator) -> float:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's greedy token, as torch.argmax: by the CPU kernel where it runs (some 10x faster
-    at 32 rows of a 49152-token vocabulary)."""
+    """Each row's greedy token, as torch.argmax: by the CPU kernel where it runs, whose vectorized
+    passes beat torch's reduction, which tracks an index with every compare
+    (docs/benchmarks.md#against-vllm-and-llamacpp)."""
     if logits.dtype == torch.float32 and logits.stride(-1) == 1 and cpu_kernels.available(logits.device, logits.dtype):
         return cpu_kernels.argmax(logits)
     return logits.argmax(dim=-1)

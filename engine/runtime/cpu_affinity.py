@@ -8,8 +8,9 @@ When they do not fit, nothing is pinned and the OS shares the cores. The host pr
 pinned: it floats to whichever core is free.
 
 Pinning is opt-in (the config's `pin_stages`, from PPSERVE_PIN_STAGES=1 when the config is made):
-on a two-core machine it measured within the noise (+2% at PP=2), and a pinned stage cannot move
-away from a core that something else keeps busy.
+on a two-core machine its gain did not stand out from the noise
+(docs/benchmarks.md#where-a-decode-step-goes), and a pinned stage cannot move away from a core
+that something else keeps busy.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class InProcessExecutor:
         # Loaded on the thread that computes, as a stage process loads its model. Each thread that
         # runs parallel torch work gets an OpenMP team of its own; with more of them than cores,
         # OpenMP stops spinning between parallel regions, and every GEMM of a step then waits for
-        # its sleeping threads to wake (SmolLM2's batch-1 GEMMs took twice as long).
+        # its sleeping threads to wake, which made SmolLM2's batch-1 GEMMs much slower.
         self.runners = self._thread.submit(lambda: [StageRunner(config, i) for i in range(config.pp_size)]).result()
         # The last stage's sampling state: the stage processes keep the same (stage_worker.py).
         self.sampler = make_sampler(config)

@@ -5,9 +5,9 @@ while a request decodes. Everything that carries a token to its user (the stage'
 ZeroMQ thread, the host's, the HTTP server) only wakes for a moment per step, but each time it
 must take a core from that team, and at the default priority the kernel's scheduler may let the
 team finish its time slice first: each of four or five hops can wait a slice. On SmolLM2 at batch 1
-(two cores), 10% of the gaps between streamed tokens were under 11 ms and 10% over 21 ms around a
-16 ms step; with the compute threads at nice 10, a waking thread takes a core at once and they
-stayed within 14-18 ms. At 32 streams the throughput was the same (+1%).
+(two cores), the gaps between streamed tokens spread widely around the step's time; with the
+compute threads at nice 10, a waking thread takes a core at once and the gaps stay close to it,
+while the throughput at 32 streams stays the same (docs/benchmarks.md#against-vllm-and-llamacpp).
 
 The compute threads keep the cores whenever nothing else wants them, so an idle machine gives
 them everything; what a higher nice value gives up is their share against other busy programs on

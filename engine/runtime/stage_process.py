@@ -52,7 +52,8 @@ def keep_freed_memory() -> None:
     And one arena for every thread, called before the stage starts its threads: the compute
     thread's own arena would be made of heaps of at most 64 MB, so a bigger block (the 0.5B
     shape's gate/up output at a 2048-token prefill: 80 MB in float32) is mmap'd and unmapped on
-    every call whatever the threshold, and that linear took 1.15x its time in the main thread."""
+    every call whatever the threshold, and that linear ran slower than on the main thread
+    (docs/benchmarks.md#against-vllm-and-llamacpp)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
