@@ -150,7 +150,10 @@ def test_generate_constrained(llama_dir: Path) -> None:
         (["--input-ids", "1,x"], "expected comma-separated token ids"),
         (["--prompt", "x", "--input-ids", "1"], "not allowed with argument"),
         (["--prompt", ""], "the prompt is empty"),
-        (["--prompt", "x", "--chunked-prefill-size", "0"], "chunked_prefill_size (--chunked-prefill-size) must be >= 1"),
+        (
+            ["--prompt", "x", "--chunked-prefill-size", "0"],
+            "chunked_prefill_size (--chunked-prefill-size) must be >= 1",
+        ),
         (["--prompt", "x", "--tensor-transport", "nccl"], "tensor transport 'nccl' needs --device cuda"),
         (["--prompt", "x", "--tensor-transport", "carrier-pigeon"], "invalid choice"),
         (["--prompt", "x", "--top-k", "many"], "invalid int value"),

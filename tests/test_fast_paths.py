@@ -13,11 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppserve.engine.model import attention, cpu_kernels
-from ppserve.engine.model.attention import AttentionMetadata, paged_attention
+from ppserve.engine.model.attention import AttentionMetadata
+from ppserve.engine.model.attention_backend import AttentionBackend
+from ppserve.engine.model.attention_choice import choose_attention
+from ppserve.engine.model.attention_sdpa import SdpaAttention
 from ppserve.engine.model.linear import MIN_ROWS, Linear, default_kernel, fuse_linears, onednn_rows
-from ppserve.engine.model.model import RMSNorm, apply_rope, rope_inv_freq
+from ppserve.engine.model.model import RMSNorm
 from ppserve.engine.model.model_config import RopeConfig
 from ppserve.engine.model.quantized import GROUP, QuantLinear, QuantWeight, quantize_int8
+from ppserve.engine.model.rope import apply_rope, rope_inv_freq
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
 
@@ -113,7 +117,7 @@ def test_prefill_kernel_matches_reference(
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])  # SDPA's prefill, and the kernel's where it has one
-def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> None:
+def test_attention_backends_agree(head_dim: int) -> None:
     """A mixed batch (prefill chunks and decodes, in any order) through the kernels and through SDPA."""
 
     class Span:
@@ -126,17 +130,17 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch: pytest.Monkey
     spans += [Span(5, 6, [14, 15, 16])]
     md = AttentionMetadata.build(spans, 4, torch.device("cpu"), windows=(None, 3))
     q = torch.randn(sum(s.num_new for s in spans), 4, head_dim, generator=gen)
+    chosen = choose_attention(torch.device("cpu"), torch.float32, head_dim)
     for window in (None, 3):
-        fast = paged_attention(q, k_cache, v_cache, md, 0.25, window)
-        monkeypatch.setattr(attention.kernel, "available", lambda device, dtype: False)
-        slow = paged_attention(q, k_cache, v_cache, md, 0.25, window)
-        monkeypatch.undo()
+        fast = chosen.forward(q, k_cache, v_cache, md, 0.25, window)
+        slow = SdpaAttention().forward(q, k_cache, v_cache, md, 0.25, window)
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])  # SDPA's prefill, and the kernel's where it has one
-def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("chosen", [True, False])  # the backend this machine gets, and SDPA
+def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype, head_dim: int, chosen: bool) -> None:
     """Fresh prompts given their keys as this step computed them (runs of equal length batched into
     one call; a decode row, a continued chunk and a prompt of another length in between) come out
     bitwise as with every prompt's keys gathered from the cache, on both windows."""
@@ -156,13 +160,14 @@ def test_fresh_prompts_read_in_place_equal_gathered(dtype: torch.dtype, head_dim
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
     attention.write_kv(k_cache, v_cache, k, v, md)
+    backend: AttentionBackend = choose_attention(torch.device("cpu"), dtype, head_dim) if chosen else SdpaAttention()
     for window in (None, 3):
-        gathered = paged_attention(q, k_cache, v_cache, md, 0.25, window)
-        in_place = paged_attention(q, k_cache, v_cache, md, 0.25, window, k, v)
+        gathered = backend.forward(q, k_cache, v_cache, md, 0.25, window)
+        in_place = backend.forward(q, k_cache, v_cache, md, 0.25, window, k, v)
         assert torch.equal(in_place, gathered)
     # (and the keys given are the ones read, for the fresh prompts without a window)
-    doubled = paged_attention(q, k_cache, v_cache, md, 0.25, None, k * 2, v)
-    assert not torch.equal(doubled, paged_attention(q, k_cache, v_cache, md, 0.25, None))
+    doubled = backend.forward(q, k_cache, v_cache, md, 0.25, None, k * 2, v)
+    assert not torch.equal(doubled, backend.forward(q, k_cache, v_cache, md, 0.25, None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

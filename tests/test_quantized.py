@@ -233,5 +233,7 @@ def test_int8_on_a_float_checkpoint(llama_dir: Path) -> None:
 
 
 def test_unknown_quantization_is_refused(llama_dir: Path) -> None:
-    with pytest.raises(ConfigError, match=r"quantization \(--quantization\) must be one of auto, none, int8; got 'int3'"):
+    with pytest.raises(
+        ConfigError, match=r"quantization \(--quantization\) must be one of auto, none, int8; got 'int3'"
+    ):
         EngineConfig.create(llama_dir, quantization="int3")

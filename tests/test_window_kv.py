@@ -301,16 +301,15 @@ def test_lazy_allocator_hands_out_blocks_as_before() -> None:
 
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the prefill kernel's, where it is built
 @pytest.mark.parametrize("decode_kernel", [True, False])
-def test_attention_reads_the_window_blocks_only(
-    head_dim: int, decode_kernel: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_attention_reads_the_window_blocks_only(head_dim: int, decode_kernel: bool) -> None:
     """Attention over each span's window blocks, positions counted from the first of them (the
     windowed group's metadata), equals attention over the whole table; the blocks below the
     windows hold NaN, so a path that read them, even masked out, would show it."""
-    from ppserve.engine.model import attention, cpu_kernels
+    from ppserve.engine.model import attention
+    from ppserve.engine.model.attention_choice import choose_attention
+    from ppserve.engine.model.attention_sdpa import SdpaAttention
 
-    if not decode_kernel:
-        monkeypatch.setattr(cpu_kernels, "available", lambda device, dtype: False)
+    backend = choose_attention(CPU, torch.float32, head_dim) if decode_kernel else SdpaAttention()
     bs, window, kv_heads = 4, 10, 2
     spans = [(0, 13), (17, 1), (23, 6), (40, 1), (9, 1), (31, 9), (3, 1)]  # (start, new tokens)
     starts, num_new = [s for s, _ in spans], [n for _, n in spans]
@@ -324,11 +323,11 @@ def test_attention_reads_the_window_blocks_only(
     q = torch.randn(sum(num_new), 2 * kv_heads, head_dim, generator=g)
     padded, lengths = attention.padded_tables(tables)
     md = AttentionMetadata.from_tables(starts, num_new, padded, lengths, bs, CPU, (window,))
-    whole = attention.paged_attention(q, k_cache, v_cache, md, head_dim**-0.5, window)
+    whole = backend.forward(q, k_cache, v_cache, md, head_dim**-0.5, window)
     md = md.with_window(padded, lengths, starts, num_new, bs, window, (window,))
     assert md.window is not None
     for table, start in zip(tables, starts, strict=True):
         below = table[: max(0, start - window + 1) // bs]
         k_cache[below] = v_cache[below] = float("nan")
-    windowed = attention.paged_attention(q, k_cache, v_cache, md.window, head_dim**-0.5, window)
+    windowed = backend.forward(q, k_cache, v_cache, md.window, head_dim**-0.5, window)
     torch.testing.assert_close(windowed, whole, rtol=1e-5, atol=1e-5)

@@ -6,12 +6,9 @@ contributes `num_new` tokens starting at position `start`, so its queries see ke
 the case num_new == 1; a prefill chunk after an existing prefix is the general case; nothing here
 knows the difference except for batching.
 
-Prefill chunks gather their request's keys/values from its blocks (a fresh prompt's are this
-step's own, read where they were computed) and go to the prefill kernel of
-engine/model/cpu_kernels.py, one call per chunk or per run of fresh prompts of one length; where it
-is missing (CUDA, no compiler, no AVX-512 BF16, another head_dim) to torch SDPA. Decode tokens (one
-query each) go to the decode kernel, which reads the cache in place; elsewhere they are batched
-into one SDPA call over gathered keys, padded to the longest context and masked.
+This module holds what a step builds once for every layer (`AttentionMetadata`: the batch's
+prefill groups and decode group, their block tables and masks, the gather buffers); the attention
+itself is an `AttentionBackend`'s (engine/model/attention_backend.py), chosen once per stage.
 """
 
 from __future__ import annotations
@@ -23,9 +20,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ppserve.engine.model import cpu_kernels as kernel
 from ppserve.scheduler.window_kv import first_window_block
 
 
@@ -73,7 +68,7 @@ class GatherBuffers:
     """Reusable destination of the per-layer KV gathers, grown on demand and kept.
 
     A gather of a large batch is several MB; allocating it afresh for every layer of every step
-    goes to mmap/munmap and page faults, which cost 10-100x the copy itself on CPU.
+    goes to mmap/munmap and page faults, which cost more than the copy itself on CPU.
     """
 
     def __init__(self) -> None:
@@ -259,102 +254,3 @@ def write_kv(
     k, v: [num_tokens, kv_heads, head_dim]."""
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, md.slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, md.slot_mapping, v)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    md: AttentionMetadata,
-    scale: float,
-    window: int | None,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim].
-
-    The current step's keys/values must already be in the cache (see `write_kv`). `k`, `v`: the
-    same, [num_tokens, kv_heads, head_dim], where the caller has them: a fresh prompt's keys are
-    all this step's, so they are read there rather than gathered from the cache.
-    """
-    d = md.decode
-    decoded = None
-    if d is not None and kernel.available(q.device, q.dtype):
-        with torch.profiler.record_function("ppserve::decode_attention"):  # named in profiles
-            decoded = kernel.decode_attention(
-                q[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, scale, window
-            )
-        if not md.prefills and d.rows == slice(0, q.shape[0]):  # a decode step: the whole result
-            return decoded
-    out = torch.empty_like(q)
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    own_kernel = kernel.prefill_available(q.device, q.dtype, head_dim)
-
-    def fresh(group: PrefillGroup) -> bool:  # a whole prompt: its keys are this step's, in k and v
-        return k is not None and group.context_len == group.rows.stop - group.rows.start
-
-    groups, i = md.prefills, 0
-    while i < len(groups):
-        group = groups[i]
-        i += 1
-        if fresh(group) and (own_kernel or group.masks[window] is None):
-            # Fresh prompts: those of the same length that follow each other in the batch go to the
-            # kernel (or, plain causal, to SDPA) as one batch, with their keys where this step
-            # computed them (each row's result is bitwise that of a call of its own on gathered
-            # keys; SmolLM2's bfloat16 prefill step of 11 prompts, SDPA: 30 layers' attention
-            # 96 -> 81 ms).
-            n, end = group.context_len, group.rows.stop
-            while i < len(groups) and fresh(groups[i]) and groups[i].context_len == n:
-                if groups[i].rows.start != end or not (own_kernel or groups[i].masks[window] is None):
-                    break  # decode rows in between, or SDPA and a window
-                end, i = groups[i].rows.stop, i + 1
-            rows = slice(group.rows.start, end)
-            b = (end - group.rows.start) // n
-            assert k is not None and v is not None
-            if own_kernel:
-                with torch.profiler.record_function("ppserve::prefill_attention"):
-                    kernel.prefill_attention(q[rows], k[rows], v[rows], b, scale, window, out=out[rows])
-                continue
-            o = F.scaled_dot_product_attention(
-                q[rows].view(b, n, -1, head_dim).transpose(1, 2),
-                k[rows].view(b, n, kv_heads, head_dim).transpose(1, 2),
-                v[rows].view(b, n, kv_heads, head_dim).transpose(1, 2),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[rows] = o.transpose(1, 2).reshape(end - group.rows.start, -1, head_dim)
-            continue
-        # keys: [context_len, kv_heads, head_dim]
-        keys = md.buffers.gather(0, k_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
-        values = md.buffers.gather(1, v_cache, group.block_ids).view(-1, kv_heads, head_dim)[: group.context_len]
-        if own_kernel:
-            with torch.profiler.record_function("ppserve::prefill_attention"):
-                kernel.prefill_attention(q[group.rows], keys, values, 1, scale, window, out=out[group.rows])
-            continue
-        query = q[group.rows].transpose(0, 1).unsqueeze(0)
-        mask = group.masks[window]
-        o = F.scaled_dot_product_attention(
-            query,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,  # a fresh prompt: plain causal, top-left aligned
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[group.rows] = o.squeeze(0).transpose(0, 1)
-    if d is not None and decoded is not None:
-        out[d.rows] = decoded
-    elif d is not None:
-        batch = d.block_tables.shape[0]
-        # keys: [batch, kv_heads, max_blocks * block_size, head_dim]; padding is masked out below.
-        # (index_select on the flat table is several times faster than advanced indexing.)
-        flat = d.block_tables.view(-1)
-        keys = md.buffers.gather(0, k_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        values = md.buffers.gather(1, v_cache, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[d.rows].unsqueeze(2), keys, values, attn_mask=d.mask(window), scale=scale, enable_gqa=True
-        )
-        out[d.rows] = o.squeeze(2)
-    return out

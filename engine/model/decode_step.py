@@ -36,6 +36,8 @@ import torch
 
 from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.attention import AttentionMetadata
+from ppserve.engine.model.attention_backend import AttentionBackend
+from ppserve.engine.model.attention_cpu import CpuDecodeAttention
 from ppserve.engine.model.gguf_quant import GGUFLinear
 from ppserve.engine.model.kernel_choice import ROWS, bucket
 from ppserve.engine.model.linear import AnyLinear, Linear
@@ -63,7 +65,7 @@ class _Norm(Protocol):
 class _Attention(Protocol):
     qkv: AnyLinear
     out: AnyLinear
-    fast: bool
+    backend: AttentionBackend  # the step runs the CPU kernels' decode attention
     rope: str  # its RoPE table: "global" or "local"
     window: int | None
     num_heads: int
@@ -377,7 +379,8 @@ class DecodeStep:
             if isinstance(mlp, MoE):
                 return None  # experts (engine/model/moe.py): their grouping is the modules'
             modules = layer.norms()
-            if not (attn.fast and mlp.fast) or any(n is not None and not n.fast for n in modules):
+            on_kernels = isinstance(attn.backend, CpuDecodeAttention) and mlp.fast
+            if not on_kernels or any(n is not None and not n.fast for n in modules):
                 return None  # (Gemma's norms run on the library in float32 only)
             norms = [None if n is None else n.kernel_weight() for n in modules]
             if any(n is not None and n.dtype != dtype for n in norms):

@@ -12,21 +12,23 @@ oneDNN on the CPU. The forward pass runs on those.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ppserve.engine.model import cpu_kernels
-from ppserve.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from ppserve.engine.model.attention import AttentionMetadata
+from ppserve.engine.model.attention_backend import AttentionBackend
+from ppserve.engine.model.attention_choice import choose_attention
+from ppserve.engine.model.attention_sdpa import SdpaAttention
 from ppserve.engine.model.decode_step import DecodeStep
 from ppserve.engine.model.gguf_quant import GGUFEmbedding, GGUFWeight
 from ppserve.engine.model.kernel_choice import KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache
 from ppserve.engine.model.linear import AnyLinear, Linear, fuse_linears
-from ppserve.engine.model.model_config import ModelConfig, RopeConfig
+from ppserve.engine.model.model_config import ModelConfig
 from ppserve.engine.model.moe import MoE
+from ppserve.engine.model.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -92,37 +94,6 @@ class GemmaRMSNorm(RMSNorm):
         return self.scale
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-        old_len = rope.original_max_position_embeddings
-        low_freq_wavelen = old_len / rope.low_freq_factor
-        high_freq_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim].
-
-    transformers' x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1): the sign is
-    folded into `signed_sin` (first half negated) once per step, so per layer the rotation is one
-    flip of the two halves. Negation is exact, so the result is bit-identical.
-    """
-    n, heads, dim = x.shape
-    swapped = x.view(n, heads, 2, dim // 2).flip(2).view(n, heads, dim)
-    return x * cos + swapped * signed_sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None) -> None:
         super().__init__()
@@ -143,7 +114,8 @@ class Attention(nn.Module):
         self.qkv_sizes = [q_out, kv_out, kv_out]
         self.qkv: AnyLinear  # set by fuse()
         self.out: AnyLinear
-        self.fast = False  # RoPE and the cache write by the CPU kernel; set by StageModel.fuse
+        # How it attends (engine/model/attention_backend.py): chosen once, by StageModel.fuse.
+        self.backend: AttentionBackend = SdpaAttention()
 
     def fuse(self, dtype: torch.dtype, device: torch.device, int8: bool, chooser: KernelChooser | None) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], dtype, device, int8, chooser=chooser)
@@ -169,12 +141,8 @@ class Attention(nn.Module):
             q = self.q_norm.add_and_norm(q.reshape(-1, self.head_dim).contiguous(), None)
             k = self.k_norm.add_and_norm(k.reshape(-1, self.head_dim).contiguous(), None)
             q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
-        if self.fast:
-            cpu_kernels.rope_write_kv(q, k, v, cos, sin, md.slot_mapping, kv[0], kv[1])
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(kv[0], kv[1], k, v, md)
-        out = paged_attention(q, kv[0], kv[1], md, self.scale, self.window, k, v)
+        q, k = self.backend.rope_and_write(q, k, v, cos, sin, kv, md)
+        out = self.backend.forward(q, kv[0], kv[1], md, self.scale, self.window, k, v)
         return self.out(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -314,6 +282,7 @@ class StageModel(nn.Module):
         (engine/model/quantized.py); float ones with the kernels `chooser` times, if given
         (engine/model/kernel_choice.py)."""
         fast = cpu_kernels.available(device, dtype)
+        attention = choose_attention(device, dtype, self.cfg.head_dim)  # one for every layer
         embed = self.model.embed_tokens
         if embed is not None and isinstance(table := getattr(embed, "quant", None), GGUFWeight):
             self.model.embed_tokens = GGUFEmbedding(table, dtype)  # loaded as its GGUF blocks
@@ -325,8 +294,10 @@ class StageModel(nn.Module):
             layer.mlp.fuse(dtype, device, int8, chooser)
             # One answer for every module that has a CPU kernel (engine/model/cpu_kernels.py).
             for module in layer.modules():
-                if isinstance(module, (Attention, MLP, MoE)):
+                if isinstance(module, (MLP, MoE)):
                     module.fast = fast
+                if isinstance(module, Attention):
+                    module.backend = attention
             for norm in layer.modules():
                 if isinstance(norm, RMSNorm):
                     norm.use_kernel(fast)

@@ -23,9 +23,10 @@ from ppserve.engine.model.attention import AttentionMetadata, GatherBuffers, pad
 from ppserve.engine.model.cache_dir import cache_dir
 from ppserve.engine.model.kernel_choice import ROWS, KernelChooser
 from ppserve.engine.model.kv_cache import StageKvCache, windowed_layers
-from ppserve.engine.model.model import StageModel, rope_inv_freq
+from ppserve.engine.model.model import StageModel
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.moe import MoE
+from ppserve.engine.model.rope import rope_inv_freq
 from ppserve.engine.model.weights import load_stage_weights
 from ppserve.engine.runtime.block_tables import BlockTables
 from ppserve.transport.messages import SeqChunk, StageKernels, StepPlan
