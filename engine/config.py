@@ -28,6 +28,7 @@ from ppserve.scheduler.scheduler import SchedulerConfig
 from ppserve.scheduler.window_kv import blocks_per_request
 from ppserve.transport.channels import KINDS, resolve_kind
 
+PAIR = "prefill/decode disaggregation (a router in front: `ppserve router`)"
 MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this a step is a prefill chunk, not a decode
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -200,6 +201,7 @@ class EngineConfig:
         "",
         "serve one side of a disaggregated prefill/decode pair",
         flag="--disaggregation-mode",
+        group=PAIR,
         choices=("", "prefill", "decode"),
         commands=("serve",),
         default_text="both, colocated",
@@ -209,6 +211,7 @@ class EngineConfig:
         0,
         "prefill side: where decode servers reach it (0: any free port; /health says which)",
         flag="--disaggregation-bootstrap-port",
+        group=PAIR,
         ge=0,
         le=65535,
         metavar="PORT",
@@ -218,6 +221,7 @@ class EngineConfig:
         30.0,
         "a room's handshake, per state",
         flag="--disaggregation-bootstrap-timeout",
+        group=PAIR,
         gt=0,
         metavar="SECONDS",
         commands=("serve",),
@@ -226,6 +230,7 @@ class EngineConfig:
         30.0,
         "a room's KV transfer",
         flag="--disaggregation-transfer-timeout",
+        group=PAIR,
         gt=0,
         metavar="SECONDS",
         commands=("serve",),

@@ -33,6 +33,7 @@ class Setting:
     metavar: str | None = None
     default_text: str | None = None  # what a default of None means (create() resolves it)
     env: str | None = None  # the environment variable read when the setting is not given
+    group: str = ""  # the --help section of its flag ("": the command's options)
 
     def check(self, name: str, value: Any) -> str | None:
         """What is wrong with `value` for this setting (None: nothing)."""

@@ -10,73 +10,10 @@ import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ppserve.engine.cluster.ray_config import STRATEGIES
-
 if TYPE_CHECKING:
     from ppserve.engine.cluster.config import ClusterConfig
     from ppserve.engine.cluster.ray_config import RayConfig
     from ppserve.engine.config import EngineConfig
-
-EXECUTORS = ("processes", "ray")
-
-
-def add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    cluster = p.add_argument_group("multi-node (the same command on every node, each with its own --node-rank)")
-    cluster.add_argument("--nnodes", type=int, default=1, help="nodes the stages are spread over (default 1)")
-    cluster.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        help="this node: 0 runs the host (HTTP, scheduler) and its stages (default: 0)",
-    )
-    cluster.add_argument(
-        "--dist-init-addr",
-        default=None,
-        metavar="HOST:PORT",
-        help="node 0's address for the nodes to meet at (default: none, one node)",
-    )
-    cluster.add_argument(
-        "--stages-per-node", default=None, metavar="COUNTS", help="e.g. 1,2,1 (default: even, the rest on later nodes)"
-    )
-    cluster.add_argument(
-        "--node-addr",
-        default=None,
-        help="this node's address: its sockets bind it, the others connect to it (default: the local address "
-        "of the route to --dist-init-addr)",
-    )
-    cluster.add_argument(
-        "--cluster-key-file",
-        default=None,
-        metavar="PATH",
-        help="the cluster's shared secret, the same file on every node (default: env PPSERVE_CLUSTER_KEY, else none)",
-    )
-    cluster.add_argument(
-        "--insecure-cluster",
-        action="store_true",
-        help="run a multi-node cluster or a disaggregated pair without a key: anyone who can reach their "
-        "sockets can drive them",
-    )
-    ray = p.add_argument_group("Ray (stages as Ray actors, placed on a Ray cluster; pip install 'ppserve[ray]')")
-    ray.add_argument(
-        "--executor",
-        choices=EXECUTORS,
-        default="processes",
-        help="how the stages run: processes of this machine (with --nnodes, of several), or Ray actors "
-        "(default: processes)",
-    )
-    ray.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="the Ray cluster to join, as `ray start --head` printed it (default: start a Ray of this machine)",
-    )
-    ray.add_argument(
-        "--placement-strategy",
-        choices=STRATEGIES,
-        default="PACK",
-        help="how the stages spread over the Ray nodes: PACK (few nodes), SPREAD, STRICT_SPREAD (one per node) "
-        "(default: PACK)",
-    )
 
 
 def cluster_key(args: argparse.Namespace) -> bytes | None:

@@ -8,39 +8,44 @@ from collections.abc import Callable
 from dataclasses import Field
 from typing import Any
 
+from ppserve.engine.cluster.config import ClusterInputs
 from ppserve.engine.config import EngineConfig, Inputs
 from ppserve.engine.settings import Setting, declared, default_of
-from ppserve.server.cli_cluster import add_cluster_flags, cluster_config, disaggregation_options, ray_config
+from ppserve.server.cli_cluster import cluster_config, disaggregation_options, ray_config
 
-# The settings with flags: EngineConfig's own fields and create()'s inputs (engine/settings.py).
+# The settings with flags (engine/settings.py): EngineConfig's own fields and create()'s inputs,
+# which create() resolves (a flag left out is None there), and where the stages run.
 SOURCES = (EngineConfig, Inputs)
 
 
-def flag_settings(command: str) -> list[tuple[Field[Any], Setting]]:
+def flag_settings(command: str, sources: tuple[type, ...] = SOURCES) -> list[tuple[Field[Any], Setting]]:
     """The settings `ppserve COMMAND` has flags for, in their declared order."""
-    return [(f, s) for cls in SOURCES for f, s in declared(cls) if s.cli and command in s.commands]
+    return [(f, s) for cls in sources for f, s in declared(cls) if s.cli and command in s.commands]
 
 
 def add_engine_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The engine's flags, generated from the declaration of each setting: name, type, default,
-    range and help are written once, in engine/config.py."""
+    range and help are written once, in engine/config.py and engine/cluster/config.py."""
     p.add_argument(
         "--model",
         default=None,
         help="a Hugging Face checkpoint directory, a .gguf file, or tiny-random (a small random model for tests) "
         "(default: the demo model, SmolLM2-135M-Instruct, downloaded once)",
     )
-    pd = p.add_argument_group("prefill/decode disaggregation (a router in front: `ppserve router`)")
-    for f, s in flag_settings(command):
-        group = pd if f.name.startswith("disagg") else p
-        group.add_argument(s.flag_name(f.name), *s.aliases, dest=f.name, **_argument(f, s))
-    add_cluster_flags(p)
+    groups: dict[str, Any] = {"": p}
+    for sources, resolved in ((SOURCES, True), ((ClusterInputs,), False)):
+        for f, s in flag_settings(command, sources):
+            if s.group not in groups:
+                groups[s.group] = p.add_argument_group(s.group)
+            flags = (s.flag_name(f.name), *s.aliases)
+            groups[s.group].add_argument(*flags, dest=f.name, **_argument(f, s, resolved))
 
 
-def _argument(f: Field[Any], s: Setting) -> dict[str, Any]:
-    """argparse's keywords for one setting. A flag left out is None, so that create() applies the
-    declared default, or the environment's value where the setting reads one."""
-    kw: dict[str, Any] = {"default": None, "help": f"{s.help} ({flag_note(f, s)})"}
+def _argument(f: Field[Any], s: Setting, resolved: bool) -> dict[str, Any]:
+    """argparse's keywords for one setting. `resolved`: a flag left out is None, so that create()
+    applies the declared default, or the environment's value where the setting reads one; else the
+    flag's default is the declared one."""
+    kw: dict[str, Any] = {"default": None if resolved else default_of(f), "help": f"{s.help} ({flag_note(f, s)})"}
     if isinstance(default_of(f), bool):
         return {**kw, "action": argparse.BooleanOptionalAction}
     if s.metavar:

@@ -13,6 +13,68 @@ import socket
 from dataclasses import dataclass, field
 
 from ppserve.engine.model.model_config import ConfigError
+from ppserve.engine.settings import setting
+
+MULTI_NODE = "multi-node (the same command on every node, each with its own --node-rank)"
+RAY = "Ray (stages as Ray actors, placed on a Ray cluster; pip install 'ppserve[ray]')"
+EXECUTORS = ("processes", "ray")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ClusterInputs:
+    """Where the stages run: the settings `ClusterConfig.create` and `RayConfig.create` are made
+    from (their flags are generated from here, server/cli_engine.py)."""
+
+    nnodes: int = setting(1, "nodes the stages are spread over", ge=1, group=MULTI_NODE)
+    node_rank: int = setting(0, "this node: 0 runs the host (HTTP, scheduler) and its stages", ge=0, group=MULTI_NODE)
+    dist_init_addr: str | None = setting(
+        None, "node 0's address for the nodes to meet at", metavar="HOST:PORT", default_text="none, one node",
+        group=MULTI_NODE,
+    )  # fmt: skip
+    stages_per_node: str | None = setting(
+        None, "stages on each node, e.g. 1,2,1", metavar="COUNTS", default_text="even, the rest on later nodes",
+        group=MULTI_NODE,
+    )  # fmt: skip
+    node_addr: str | None = setting(
+        None,
+        "this node's address: its sockets bind it, the others connect to it",
+        metavar="ADDR",
+        default_text="the local address of the route to --dist-init-addr",
+        group=MULTI_NODE,
+    )
+    cluster_key_file: str | None = setting(
+        None,
+        "the cluster's shared secret, the same file on every node",
+        metavar="PATH",
+        default_text="env PPSERVE_CLUSTER_KEY, else none",
+        group=MULTI_NODE,
+    )
+    insecure_cluster: bool = setting(
+        False,
+        "run a multi-node cluster or a disaggregated pair without a key: anyone who can reach their sockets can "
+        "drive them",
+        group=MULTI_NODE,
+    )
+    executor: str = setting(
+        "processes",
+        "how the stages run: processes of this machine (with --nnodes, of several), or Ray actors",
+        choices=EXECUTORS,
+        group=RAY,
+    )
+    ray_address: str | None = setting(
+        None,
+        "the Ray cluster to join, as `ray start --head` printed it",
+        metavar="HOST:PORT",
+        default_text="start a Ray of this machine",
+        group=RAY,
+    )
+    placement_strategy: str = setting(
+        "PACK",
+        "how the stages spread over the Ray nodes: PACK (few nodes), SPREAD, STRICT_SPREAD (one per node)",
+        choices=STRATEGIES,
+        group=RAY,
+    )
 
 
 @dataclass(frozen=True)

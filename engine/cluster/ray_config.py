@@ -10,10 +10,9 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from ppserve.engine.cluster.config import check_local, parse_host_port, route_source
+from ppserve.engine.cluster.config import STRATEGIES, check_local, parse_host_port, route_source
 from ppserve.engine.model.model_config import ConfigError
 
-STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 MISSING = "--executor ray needs Ray, which is not installed: pip install 'ppserve[ray]'"
 
 
