@@ -329,9 +329,8 @@ class StagePool:
             sock.send_nowait(data)
         # ZMQ's I/O thread writes the plan out, and needs a core for it. Where the stages' OpenMP
         # teams keep every core busy (CPU serving), it waited for this thread's time slice to end
-        # while this thread went on to stream the last step's tokens. At PP=1 on 2 cores the stage
-        # sat idle 1.2-1.9 ms between steps, 0.6 ms with this yield: a 64-stream burst on the small
-        # shape (bfloat16) took 7% less time, SmolLM2's 32 streams 1.5%. With a core free it
+        # while this thread went on to stream the last step's tokens, and the stage sat idle between
+        # steps (measured: docs/benchmarks.md#against-vllm-and-llamacpp). With a core free it
         # returns at once.
         _sched_yield()
 
