@@ -8,5 +8,5 @@ per concept. Dependencies point one way:
 - `cluster/`: multi-node rendezvous, other nodes' stages, devices;
 - `disagg/`: prefill/decode rooms, KV export and import.
 
-tests/test_import_graph.py checks these rules.
+tests/repo/test_import_graph.py checks these rules.
 """

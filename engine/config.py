@@ -33,7 +33,7 @@ MAX_SPECULATIVE_TOKENS = 32  # drafts per step: beyond this a step is a prefill 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # The scheduler declares the defaults of its settings; the engine's fields of the same names take
-# them from here, so that a default is declared once (tests/test_config_chain.py checks every layer).
+# them from here, so that a default is declared once (tests/engine/test_config_chain.py checks every layer).
 _SCHEDULER = SchedulerConfig(num_blocks=1, block_size=1, pp_size=1)
 # Fields that create() works out from the checkpoint and its other inputs; never given directly.
 DERIVED = frozenset({"model", "model_config", "layer_ranges", "edge_transports", "stage_gpus", "kv_window"})

@@ -1,7 +1,7 @@
 """A setting's one declaration: its default, range, choices, help and flag live in the metadata of
 its config field (`setting(...)`), and everything else derives from there: `EngineConfig.create`
 checks values against it, the `ppserve` engine flags and their help are generated from it
-(server/cli_engine.py), and tests/test_config_chain.py compares the two.
+(server/cli_engine.py), and tests/engine/test_config_chain.py compares the two.
 
     pp_size: int = setting(1, "pipeline stages", ge=1)
 

@@ -7,7 +7,7 @@ Everything else derives from it, through FIELDS (what scheduler/sampling_fields.
 integer ranges (checked while decoding) from here (server/protocol.py); the OpenAPI document
 and `ppserve generate`'s flags are generated from them (server/openapi.py, server/cli_sampling.py);
 the wire struct, which transport declares on its own (it imports nothing of ours), is built and
-read field by field through `wire()` and `from_wire()`; tests/test_sampling_definition.py checks
+read field by field through `wire()` and `from_wire()`; tests/scheduler/test_sampling_definition.py checks
 that it, the HTTP structs, the OpenAPI document and the flags all agree with the declaration.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the checks and the test suite. Creates .venv and installs ppserve[test] on first use.
 #   scripts/test.sh                    lint (ruff), type checks (mypy), then every test
-#   scripts/test.sh [pytest args...]   only those tests (e.g. tests/test_cli.py, -m "not slow"), no lint
+#   scripts/test.sh [pytest args...]   only those tests (e.g. tests/server/test_cli.py, -m "not slow"), no lint
 #   scripts/test.sh --checks-only      lint and type checks, no tests
 set -euo pipefail
 cd "$(dirname "$0")/.."

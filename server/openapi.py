@@ -3,7 +3,7 @@
 Request bodies are generated from the msgspec Structs that the handlers decode with
 (server/protocol.py), so the schema cannot drift from what the server accepts, and the sampling
 fields' ranges from their one declaration, in SamplingParams; responses from those of
-server/responses.py. The fuzz test (tests/test_fuzz.py) checks every answer against
+server/responses.py. The fuzz test (tests/server/test_fuzz.py) checks every answer against
 the document. The websocket's messages, which OpenAPI cannot express, are components too, named
 from the /ws operation's `x-websocket-messages`.
 """

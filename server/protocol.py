@@ -36,7 +36,7 @@ MAX_ID_CHARS = 256  # websocket request ids are echoed in every event: keep them
 # Defaults and ranges come from SamplingParams, where they are declared. The integer ranges are
 # checked while decoding (token ids, top_k and counts travel as int32, seeds as int64), so that
 # the error names the field as the client wrote it; the others by SamplingParams itself, whose
-# messages say the whole range. tests/test_sampling_definition.py checks that every field is here.
+# messages say the whole range. tests/scheduler/test_sampling_definition.py checks that every field is here.
 _DEFAULT = SamplingParams()
 # A limit the request may leave out: then the model's own default applies (ServerState.max_tokens),
 # or this one (OpenAI's for completions, and SamplingParams'), or for chat the rest of the context.

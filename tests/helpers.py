@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from procs import children, read
 
+from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.offline import OfflineEngine
 from ppserve.scheduler.request import Request
@@ -16,6 +19,17 @@ from ppserve.scheduler.sampling_params import SamplingParams
 from ppserve.transport.messages import SeqChunk
 
 GREEDY_TOKENS = 32
+
+# A valid config.json of a tiny llama.
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def alive(pid: int) -> bool:
@@ -39,6 +53,33 @@ def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int
 def pipeline(model_dir: Path, pp_size: int = 1, **kwargs: object) -> OfflineEngine:
     kwargs.setdefault("num_kv_blocks", 256)
     return OfflineEngine(EngineConfig.create(model_dir, pp_size=pp_size, **kwargs))  # type: ignore[arg-type]
+
+
+# Sixteen prompts of 1 to 64 tokens, for runs of an AsyncEngine.
+PROMPTS = [
+    random_prompt(random.Random(i), n) for i, n in enumerate([1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 33, 40, 47, 52, 64])
+]
+
+
+def engine_config(model_dir: Path, pp: int, transport: str = "shm", **kw: object) -> EngineConfig:
+    """An AsyncEngine's config for the tests of the pipeline: small chunks, one thread a stage."""
+    kw.setdefault("chunked_prefill_size", 8)  # many chunks per prompt
+    kw.setdefault("num_kv_blocks", 512)
+    return EngineConfig.create(model_dir, pp_size=pp, tensor_transport=transport, threads_per_stage=1, **kw)  # type: ignore[arg-type]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int] | str, params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(prompt, params):
+        tokens += out.token_ids
+    return tokens
+
+
+async def wait_until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
 
 
 def prefill_here(pipe: OfflineEngine, prompt: list[int], params: SamplingParams) -> tuple[Request, int]:

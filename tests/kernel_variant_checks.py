@@ -1,10 +1,10 @@
 """The checks of one build of the CPU kernels against torch, in a process of its own:
 `python tests/kernel_variant_checks.py OUT` with PPSERVE_CPU_ISA naming the variant and
-PPSERVE_CACHE_DIR a cache to build it in (tests/test_kernel_variants.py runs one per variant, all
-at once). A process loads one variant: the library, and gguf_quant's handles into it, are kept for
-the process's life.
+PPSERVE_CACHE_DIR a cache to build it in (tests/model/test_kernel_variants.py runs one per variant,
+all at once). A process loads one variant: the library, and gguf_quant's handles into it, are kept
+for the process's life.
 
-A check is either a test of tests/test_fast_paths.py or tests/test_gguf_quant.py, run with every
+A check is either a test of tests/model/test_fast_paths.py or test_gguf_quant.py, run with every
 parameter it has (what native passes, every variant passes), or one of the functions below. OUT
 (torch.save) gets the variant that was loaded, a traceback per failed check, and the GGUF linears'
 outputs with their error bounds, for comparing the variants."""
@@ -15,6 +15,7 @@ import importlib
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from ppserve.engine.model import cpu_kernels
 from ppserve.engine.model.gguf_quant import BLOCKS, GGUFLinear
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Check -> (test module, test function): the kernels whose tests hold for every variant as they are.
+# Check -> (test module in tests/model/, test function): the kernels whose tests hold for every
+# variant as they are.
 REUSED = {
     "decode_attention": ("test_fast_paths", "test_kernel_matches_sdpa"),
     "gated_mul": ("test_fast_paths", "test_gated_mul_kernel_matches_torch"),
@@ -178,4 +180,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).with_name("model")))  # the test modules of REUSED
     main(sys.argv[1])

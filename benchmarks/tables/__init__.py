@@ -9,7 +9,7 @@ A table in README.md or docs/*.md sits between two markers that name it:
     .venv/bin/python -m benchmarks tables              # rewrite every marked table from its JSON
     .venv/bin/python -m benchmarks tables --check      # exit 1, naming each table that differs
 
-tests/test_bench_tables.py runs the check. Run this after a benchmark, then read the prose around
+tests/repo/test_bench_tables.py runs the check. Run this after a benchmark, then read the prose around
 each table: it quotes some of the figures.
 """
 

@@ -12,7 +12,7 @@
 // - rope_write_kv: RoPE on q and k in place of the copy, k and v stored into the cache.
 // Each replaces several torch ops (and as many dispatches and passes over memory) per layer, and
 // rounds where those ops round, so results stay those of the torch code they replace up to the
-// order of a sum (tests/test_fast_paths.py). The GEMMs are in cpu_gemm.cpp.
+// order of a sum (tests/model/test_fast_paths.py). The GEMMs are in cpu_gemm.cpp.
 //
 // Decode attention's shapes (row-major, contiguous):
 //   q, out:   [batch, heads, head_dim]

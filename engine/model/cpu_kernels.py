@@ -42,7 +42,7 @@ Which of the C++'s instruction-set paths it is built with is the machine's own c
 $PPSERVE_CPU_ISA when the library is loaded: `native` (the default: whatever this CPU has),
 `avx2` (an x86-64-v3 CPU's: AVX2, FMA and F16C, never AVX-512) or `scalar` (baseline x86-64:
 the plain C++ paths only). An AVX-512 machine thus also tests the code that AVX2-only CPUs run,
-and any x86 machine the fallbacks (tests/test_kernel_variants.py). A variant this CPU cannot run,
+and any x86 machine the fallbacks (tests/model/test_kernel_variants.py). A variant this CPU cannot run,
 or an unknown name, builds `native`, with one warning; each variant is a library of its own in
 the cache, and `isa()` says which one is loaded.
 """
