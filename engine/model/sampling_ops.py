@@ -121,11 +121,3 @@ def candidates(probs: torch.Tensor, params: SamplerParams) -> tuple[torch.Tensor
     if params.min_p > 0:
         values = values.masked_fill(values < params.min_p * values.max(), 0.0)
     return values, order
-
-
-def filtered_probs(logits: torch.Tensor, params: SamplerParams) -> torch.Tensor:
-    """logits: [vocab] -> the distribution a draw follows: after temperature, top-k, top-p and
-    min-p, renormalised."""
-    values, order = candidates((logits / params.temperature).softmax(-1), params)
-    probs = torch.zeros_like(logits).index_put_((order,), values)
-    return probs / probs.sum()

@@ -16,6 +16,7 @@ import pytest
 from live_server import ROOT
 
 from ppserve.engine import environment
+from ppserve.engine.cluster.config import ClusterConfig, ClusterInputs
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.disagg.faults import ENV as FAULTS_ENV
 from ppserve.engine.disagg.faults import DisaggFaults
@@ -114,6 +115,24 @@ def test_every_engine_flag_is_its_settings_declaration(base: EngineConfig, llama
             word = {True: "on", False: "off"}.get(default) if isinstance(default, bool) else str(default)
             assert said[1] == word, f"{action.option_strings} says {said[1]}, the field {default!r}"
         assert s.range() in help
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_cluster_flags_are_their_settings_declaration(command: str) -> None:
+    """Where the stages run: each flag defaults to its declared setting and says so, and a command
+    without them makes no cluster."""
+    options = _options(command)
+    settings = flag_settings(command, (ClusterInputs,))
+    assert {f.name for f, _ in settings} >= {"nnodes", "node_rank", "executor", "placement_strategy"}
+    for f, s in settings:
+        action = options[f.name]
+        assert action.default == default_of(f), f"{action.option_strings}: {action.default!r}"
+        assert s.flag_name(f.name) in action.option_strings and s.range() in (action.help or "")
+        assert "default: " in (action.help or "")
+    args = build_parser().parse_args([command] + (["--prompt", "x"] if command == "generate" else []))
+    assert engine_settings(args)["cluster"] is None and engine_settings(args)["ray"] is None
+    with pytest.raises(ConfigError, match="--nnodes must be >= 1"):
+        ClusterConfig.create(nnodes=0, node_rank=0, pp_size=1, dist_init_addr=None)
 
 
 def _outside(s: Any) -> float | None:

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from ppserve.engine.model.sampler import Sampler, apply_penalties
-from ppserve.engine.model.sampling_ops import BLOCK, TOP_P_CANDIDATES, filtered_probs, inverse_transform
+from ppserve.engine.model.sampling_ops import BLOCK, TOP_P_CANDIDATES, SamplerParams, candidates, inverse_transform
 from ppserve.scheduler.sampling_params import SamplingParams
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplerParams) -> torch.Tensor:
+    """logits: [vocab] -> the distribution a draw follows: after temperature, top-k, top-p and
+    min-p, renormalised."""
+    values, order = candidates((logits / params.temperature).softmax(-1), params)
+    probs = torch.zeros_like(logits).index_put_((order,), values)
+    return probs / probs.sum()
+
 
 VOCAB = 50
 
