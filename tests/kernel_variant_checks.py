@@ -15,7 +15,6 @@ import importlib
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,6 +178,5 @@ def main(out: str) -> None:
     torch.save({"isa": cpu_kernels.isa(), "library": library, "failures": failures, "outputs": outputs}, out)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).with_name("model")))  # the test modules of REUSED
+if __name__ == "__main__":  # with tests/model (the test modules of REUSED) on PYTHONPATH
     main(sys.argv[1])

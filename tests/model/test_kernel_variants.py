@@ -35,6 +35,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     procs = {}
     for variant in VARIANTS:
         env = {**os.environ, cpu_kernels.ISA_ENV: variant, "PPSERVE_CACHE_DIR": str(root / "cache")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPER.parent / "model"), env.get("PYTHONPATH")]))
         cmd = [sys.executable, str(HELPER), str(root / f"{variant}.pt")]
         procs[variant] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     results: dict[str, dict[str, Any]] = {}
