@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ppserve.scheduler.block_allocator import BlockAllocator
 from ppserve.scheduler.kv_groups import KvGroups
 from ppserve.scheduler.request import Request
 
@@ -25,7 +24,6 @@ class KvHandover:
         self, kv: KvGroups, requests: dict[str, Request], running: list[Request], free: Callable[[Request], None]
     ) -> None:
         self.kv = kv
-        self.allocator: BlockAllocator = kv.full
         self.requests = requests
         self.running = running
         self.free = free
@@ -86,10 +84,10 @@ class KvHandover:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if self.kv.window is not None:  # engine/config.py refuses such a pair at start
             raise ValueError("the KV of sliding-window layers is not transferred between servers")
-        need = self.allocator.blocks_for(len(request.prompt_token_ids))
-        if need > self.allocator.num_free:
+        need = self.kv.full.blocks_for(len(request.prompt_token_ids))
+        if need > self.kv.full.num_free:
             return None
-        self.allocator.grow(request.block_table, len(request.prompt_token_ids))
+        self.kv.full.grow(request.block_table, len(request.prompt_token_ids))
         self.requests[request.request_id] = request
         self.receiving[request.request_id] = request
         return list(request.block_table)

@@ -81,10 +81,10 @@ class AttentionBackend(ABC):
         while i < len(groups):
             group = groups[i]
             i += 1
-            if k is not None and v is not None and self._batches(group, window, k):
+            if k is not None and v is not None and self._batches(group, window):
                 # Fresh prompts of the same length that follow each other in the batch: one call.
                 n, end = group.context_len, group.rows.stop
-                while i < len(groups) and self._batches(groups[i], window, k) and groups[i].context_len == n:
+                while i < len(groups) and self._batches(groups[i], window) and groups[i].context_len == n:
                     if groups[i].rows.start != end:
                         break  # decode rows in between
                     end, i = groups[i].rows.stop, i + 1
@@ -99,7 +99,7 @@ class AttentionBackend(ABC):
             out[d.rows] = self.decode(q[d.rows], k_cache, v_cache, md, scale, window)
         return out
 
-    def _batches(self, group: PrefillGroup, window: int | None, k: torch.Tensor) -> bool:
+    def _batches(self, group: PrefillGroup, window: int | None) -> bool:
         """Whether `group` is a whole prompt whose keys are this step's (in k), to batch with its
         neighbours of the same length."""
         fresh = group.context_len == group.rows.stop - group.rows.start
