@@ -21,7 +21,8 @@ opened without the header must send `auth` with the right key within AUTH_TIMEOU
 anything else; otherwise it gets an error event and is closed with code 4401. A later `auth`
 is answered `auth_ok` if its key is right (always, on a server without a key), else with an error
 event; the socket stays open either way. The socket's requests belong to the tenant of the last
-key it proved (server/tenants.py), and `generate` and `chat` take a `cache_salt` as /generate does.
+key it proved (server/tenants.py), and `generate` and `chat` take a `cache_salt` and
+`speculative_usage` as /generate does.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ async def _submit(
     return state.submit(ids, params, request_id, cache_salt=salt, client=client)
 
 
-def _usage(r: Collected | RequestOutput | None) -> dict[str, Any]:
+def _usage(r: Collected | RequestOutput | None, speculative: bool = False) -> dict[str, Any]:
+    """The native usage object; `speculative` (the request's `speculative_usage`) adds what
+    speculative decoding did, where the request's steps carried drafts."""
     if r is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     usage: dict[str, Any] = {
@@ -84,7 +87,7 @@ def _usage(r: Collected | RequestOutput | None) -> dict[str, Any]:
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
     }
-    if (spec := speculative_usage([r])) is not None:
+    if speculative and (spec := speculative_usage([r])) is not None:
         usage["speculative"] = spec
     return usage
 
@@ -101,7 +104,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "text": r.text,
             "token_ids": r.token_ids,
             "finish_reason": r.finish_reason,
-            "usage": _usage(r),
+            "usage": _usage(r, body.speculative_usage),
         }
         if body.sampling_params.logprobs is not None:
             result["logprobs"] = [_logprob(lp.token_id, lp.logprob, lp.top_logprobs) for lp in r.logprobs]
@@ -110,7 +113,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async def events() -> AsyncGenerator[dict[str, Any], None]:
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
-                usage = {"usage": _usage(out)} if out.finished else {}
+                usage = {"usage": _usage(out, body.speculative_usage)} if out.finished else {}
                 yield {
                     "id": rid,
                     "text": out.text,
@@ -220,7 +223,7 @@ class _Socket:
         except ApiError as e:
             await self.error(e.message, msg.id)
             return
-        task = asyncio.create_task(self.run(msg.id, stream))
+        task = asyncio.create_task(self.run(msg.id, stream, msg.speculative_usage))
         self.tasks[msg.id] = task
         task.add_done_callback(lambda t: self._ended(msg.id, t))
 
@@ -235,13 +238,13 @@ class _Socket:
             self.notices.add(notice)
             notice.add_done_callback(self.notices.discard)
 
-    async def run(self, rid: str, stream: Stream) -> None:
+    async def run(self, rid: str, stream: Stream, speculative: bool = False) -> None:
         usage = _usage(None)
         finished = False
         try:
             async with aclosing(stream):
                 async for out in stream:
-                    usage = _usage(out)
+                    usage = _usage(out, speculative)
                     for k, token_id in enumerate(out.token_ids):
                         text = out.text if k == len(out.token_ids) - 1 else ""
                         event: dict[str, Any] = {"type": "token", "id": rid, "token_id": token_id, "text": text}

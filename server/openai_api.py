@@ -71,12 +71,19 @@ def _header(state: ServerState, rid: str, kind: str) -> dict[str, Any]:
 
 
 def _usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int, outs: Sequence[Collected | RequestOutput] = ()
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    outs: Sequence[Collected | RequestOutput] = (),
+    *,
+    speculative: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's usage object. A prompt with n choices counts once, so its cached tokens are
     those of its first choice (the others share the blocks that choice computes). Where steps
     carried drafts (`outs`: each choice's last output), OpenAI's prediction-token counts say how
-    many were kept, and `speculative` (ppserve's) the mean acceptance length."""
+    many were kept; with `speculative` (the request's `speculative_usage`), ppserve's own
+    `speculative` object adds the mean acceptance length. It is asked for, not always given, so
+    that a plain OpenAI client's usage keeps OpenAI's shape."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -89,7 +96,8 @@ def _usage(
             "accepted_prediction_tokens": kept,
             "rejected_prediction_tokens": rejected,
         }
-        usage["speculative"] = spec
+        if speculative:
+            usage["speculative"] = spec
     return usage
 
 
@@ -190,7 +198,13 @@ class _Completion:
         ]
         cached = sum(r.cached_tokens for r in results[::n])
         completion_tokens = 0 if scoring else sum(r.completion_tokens for r in results)
-        usage = _usage(self.prompt_tokens, completion_tokens, cached, results[:: self.copies])
+        usage = _usage(
+            self.prompt_tokens,
+            completion_tokens,
+            cached,
+            results[:: self.copies],
+            speculative=self.body.speculative_usage,
+        )
         return {**self.base, "choices": choices, "usage": usage}
 
     async def events(self, streams: list[Stream]) -> AsyncGenerator[dict[str, Any], None]:
@@ -237,7 +251,9 @@ class _Completion:
                             yield await chunk(j, waiting, True)
         if body.include_usage:
             outs = [last[i] for i in range(0, len(echoes), copies) if i in last]
-            usage = _usage(self.prompt_tokens, completion_tokens, sum(cached[:: body.n]), outs)
+            usage = _usage(
+                self.prompt_tokens, completion_tokens, sum(cached[:: body.n]), outs, speculative=body.speculative_usage
+            )
             yield {**self.base, "choices": [], "usage": usage}
 
 
@@ -324,7 +340,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             msg, finish = message(r.text, r.finish_reason)
             logprobs = _chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None
             choices.append({"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish})
-        usage = _usage(len(ids), sum(r.completion_tokens for r in results), results[0].cached_tokens, results)
+        completion_tokens, cached = sum(r.completion_tokens for r in results), results[0].cached_tokens
+        usage = _usage(len(ids), completion_tokens, cached, results, speculative=body.speculative_usage)
         return web.json_response({**base, "choices": choices, "usage": usage})
 
     base["object"] = "chat.completion.chunk"
@@ -363,7 +380,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 yield {**base, "choices": [choice], **extra}
         if body.include_usage:
-            yield {**base, "choices": [], "usage": _usage(len(ids), completion_tokens, cached, list(last.values()))}
+            outs = list(last.values())
+            usage = _usage(len(ids), completion_tokens, cached, outs, speculative=body.speculative_usage)
+            yield {**base, "choices": [], "usage": usage}
 
     return await sse_response(request, events())
 

@@ -68,6 +68,17 @@ CacheSalt = Annotated[
 ]
 
 
+# ppserve's: `usage.speculative` (draft tokens, accepted tokens, mean acceptance length) is an
+# extension a client asks for, so that a plain OpenAI client's usage keeps OpenAI's shape.
+SpeculativeUsageFlag = Annotated[
+    bool,
+    msgspec.Meta(
+        description="true: usage also has `speculative` (draft_tokens, accepted_tokens, mean_acceptance_length) "
+        "where the request's steps carried drafts"
+    ),
+]
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
@@ -154,6 +165,7 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     user: ShortText | None = None
     cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
+    speculative_usage: SpeculativeUsageFlag = False
 
     def constraint(self) -> tuple[str, tuple[str, Any]] | None:
         own = self.response_format.constraint() if self.response_format else None
@@ -338,6 +350,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
     cache_salt: CacheSalt | None = None
+    speculative_usage: SpeculativeUsageFlag = False
 
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
@@ -364,6 +377,7 @@ class WsChat(msgspec.Struct, tag="chat", kw_only=True, forbid_unknown_fields=Tru
     messages: list[ChatMessage]
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     cache_salt: CacheSalt | None = None
+    speculative_usage: SpeculativeUsageFlag = False
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_dicts(self.messages)

@@ -34,11 +34,21 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens found in the prefix cache rather than computed
 
 
-class Usage(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    """OpenAI's prediction-token counts, which speculative decoding's drafts fill in."""
+
+    accepted_prediction_tokens: int  # drafts verified and kept
+    rejected_prediction_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # where the request's steps carried drafts
+    # ppserve's own: only for a request with speculative_usage: true, where its steps carried drafts
+    speculative: SpeculativeUsage | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -216,7 +226,7 @@ class NativeUsage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # of prompt_tokens, found in the prefix cache rather than computed
-    speculative: SpeculativeUsage | None = None  # where the request's steps carried drafts
+    speculative: SpeculativeUsage | None = None  # with speculative_usage: true, where steps carried drafts
 
 
 class NativeLogprob(msgspec.Struct):

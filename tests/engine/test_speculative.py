@@ -258,11 +258,18 @@ def test_metrics_and_usage_say_what_the_drafts_did() -> None:
     assert m["ppserve_spec_decode_num_drafts_total"] == 3 and m["ppserve_spec_decode_num_draft_tokens_total"] == 12
     assert m["ppserve_spec_decode_num_accepted_tokens_total"] == 7
     out = RequestOutput("r", "", [], True, "length", 5, 20, draft_tokens=12, accepted_tokens=7, spec_steps=3)
-    usage = openai_usage(5, 20, 0, [out])
-    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 7, "rejected_prediction_tokens": 5}
+    usage = openai_usage(5, 20, 0, [out], speculative=True)  # the request's speculative_usage: true
+    details = {"accepted_prediction_tokens": 7, "rejected_prediction_tokens": 5}
+    assert usage["completion_tokens_details"] == details
     assert usage["speculative"]["mean_acceptance_length"] == pytest.approx(10 / 3)
-    assert "speculative" not in openai_usage(5, 20, 0, [RequestOutput("r", "", [], True, "length", 5, 20)])
-    assert native_usage(out)["speculative"]["accepted_tokens"] == 7
+    undrafted = RequestOutput("r", "", [], True, "length", 5, 20)
+    assert "speculative" not in openai_usage(5, 20, 0, [undrafted], speculative=True)
+    assert native_usage(out, True)["speculative"]["accepted_tokens"] == 7
+    assert "speculative" not in native_usage(undrafted, True)
+    # Not asked for: OpenAI's counts stay, ppserve's own object does not appear.
+    plain = openai_usage(5, 20, 0, [out])
+    assert plain["completion_tokens_details"] == details and "speculative" not in plain
+    assert "speculative" not in native_usage(out)
 
 
 def test_synthetic_stages_verify_drafts_too(llama_dir: Path) -> None:

@@ -61,6 +61,9 @@ BAD_INPUTS: list[tuple[str, Any, int, str]] = [
     ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
     ("/generate", {"text": "x", "sampling_params": {"min_p": 2}}, 400, "min_p"),
     ("/generate", {"input_ids": [-1]}, 400, "prompt"),
+    (COMP, {"prompt": "x", "speculative_usage": "yes"}, 400, "speculative_usage"),
+    (CHAT, {"messages": USER, "speculative_usage": 1}, 400, "speculative_usage"),
+    ("/generate", {"text": "x", "speculative_usage": "true"}, 400, "speculative_usage"),
     ("/nowhere", {}, 404, "Not Found"),
 ]
 
@@ -175,9 +178,83 @@ async def test_websocket(live_server: LiveServer) -> None:
         assert "text" in errors[1]["message"]
         await ws.send_json({"type": "generate", "id": "f", "input_ids": [5, 6, 7], "sampling_params": greedy})
         events = await _events(ws, _done("f"))
-        usage = events[-1]["usage"]
-        usage.pop("speculative", None)  # (where its steps carried drafts: docs/speculative-decoding.md)
-        assert usage == {"prompt_tokens": 3, "completion_tokens": 12, "cached_tokens": 0}
+        # No `speculative` object, drafts or not: the message did not ask for it (speculative_usage).
+        assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "cached_tokens": 0}
+
+
+# A prompt that repeats itself, decoded greedily: the n-gram drafter drafts from it (and from the
+# output, which the tiny model soon repeats too). Whether a step carries drafts is still the
+# scheduler's choice, from its step timings, so a test tries a few times for a request that drafted.
+SPEC_PROMPT = [5, 6, 7, 8] * 8
+SPEC_CHAT = [{"role": "user", "content": "la " * 24}]
+SPEC_GREEDY = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+SPEC_TRIES = 8
+
+
+def _final_usage(server: LiveServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The usage of an answer, or of a stream's last event that has one."""
+    code, _, raw = server.request("POST", path, body)
+    assert code == 200, raw
+    if not body.get("stream"):
+        return dict(json.loads(raw)["usage"])
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+    return dict([e for e in events if e.get("usage")][-1]["usage"])
+
+
+def _drafted_usage(server: LiveServer, path: str, body: dict[str, Any], key: str) -> dict[str, Any]:
+    """The usage of the first try whose steps carried drafts (it has `key`); each try's usage
+    has `speculative` only if the request asked for it."""
+    for _ in range(SPEC_TRIES):
+        usage = _final_usage(server, path, body)
+        assert ("speculative" in usage) <= bool(body.get("speculative_usage")), (path, usage)
+        if key in usage:
+            return usage
+    raise AssertionError(f"no try of {path} carried drafts: {usage}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_speculative_usage_only_when_asked(live_server: LiveServer, stream: bool) -> None:
+    """usage.speculative (ppserve's) comes with `speculative_usage: true` only; OpenAI's
+    prediction-token counts come whenever the steps carried drafts, asked or not."""
+    streaming: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    for path, body in [
+        (COMP, {"prompt": SPEC_PROMPT, **SPEC_GREEDY, **streaming}),
+        (CHAT, {"messages": SPEC_CHAT, **SPEC_GREEDY, **streaming}),
+    ]:
+        plain = _drafted_usage(live_server, path, body, "completion_tokens_details")
+        assert "speculative" not in plain, (path, plain)
+        asked = _drafted_usage(live_server, path, {**body, "speculative_usage": True}, "completion_tokens_details")
+        spec, details = asked["speculative"], asked["completion_tokens_details"]
+        assert spec["accepted_tokens"] == details["accepted_prediction_tokens"], (path, asked)
+        assert spec["draft_tokens"] == spec["accepted_tokens"] + details["rejected_prediction_tokens"]
+    native = {"input_ids": SPEC_PROMPT, "sampling_params": SPEC_GREEDY, "stream": stream}
+    assert "speculative" not in _final_usage(live_server, "/generate", native)
+    asked = _drafted_usage(live_server, "/generate", {**native, "speculative_usage": True}, "speculative")
+    assert asked["speculative"]["draft_tokens"] > 0, asked
+
+
+async def test_websocket_speculative_usage_only_when_asked(live_server: LiveServer) -> None:
+    """The websocket's `generate` and `chat` follow /generate: `speculative` only when asked."""
+    messages: list[dict[str, Any]] = [
+        {"type": "generate", "input_ids": SPEC_PROMPT, "sampling_params": SPEC_GREEDY},
+        {"type": "chat", "messages": SPEC_CHAT, "sampling_params": SPEC_GREEDY},
+    ]
+    async with (
+        aiohttp.ClientSession(headers=live_server.headers) as session,
+        session.ws_connect(live_server.url + "/ws") as ws,
+    ):
+        for msg in messages:
+            for k in range(SPEC_TRIES):
+                plain, asked = f"{msg['type']}-{k}", f"{msg['type']}-{k}-asked"
+                await ws.send_json({**msg, "id": plain})
+                await ws.send_json({**msg, "id": asked, "speculative_usage": True})
+                done = {e["id"]: e["usage"] for e in await _events(ws, _done(plain, asked)) if e["type"] == "done"}
+                assert "speculative" not in done[plain], done
+                if "speculative" in done[asked]:
+                    assert done[asked]["speculative"]["draft_tokens"] > 0, done
+                    break
+            else:
+                raise AssertionError(f"no websocket {msg['type']} carried drafts")
 
 
 def _freed(server: LiveServer) -> bool:
