@@ -6,9 +6,12 @@ requests, greedy: (a) code editing (a 60-line function to rewrite with a small c
 that quote a passage of the prompt, (c) JSON extraction with a schema (a grammar: ppserve drafts
 its forced tokens too), (d) open-ended chat. Each is run at batch 1 (one request after another)
 and as NUM_REQUESTS concurrent streams; output tokens per second are compared side by side, every
-engine on the same machine in one run. ppserve at PP=2 runs with and without drafts too, for the
-stages' busy share. llama-server runs each n-gram --spec-type (and none), at batch 1 unless
---llama-modes says streams too.
+engine on the same machine in one run. ppserve with and without drafts are served at the same time
+and take turns (request by request at batch 1, round by round for the streams, the first of them
+alternating), so that the machine's drift between sequential runs does not enter their ratio.
+ppserve at PP=2 runs with and without drafts too (in the same way), for the stages' busy share.
+llama-server runs each n-gram --spec-type (and none), at batch 1 unless --llama-modes says streams
+too.
 
     .venv/bin/python -m benchmarks speculative                       # all engines (about 35 minutes)
     .venv/bin/python -m benchmarks speculative --engines ppserve-spec,ppserve-off --workloads a,d
@@ -41,6 +44,9 @@ from benchmarks.harness.record import write_result
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 ENGINES = ("ppserve-spec", "ppserve-off", "ppserve-pp2-spec", "ppserve-pp2-off", *(f"llama-{t}" for t in LLAMA_TYPES))
+Job = tuple[str, dict[str, Any]]  # a prompt and the request's extra fields
+Chunk = tuple[list[dict[str, Any]], float]  # results timed together: one request, or a round of streams
+Results = dict[str, dict[str, Any]]  # engine -> "workload/mode" -> what was measured
 WORDS = "river stone lamp orange cloud signal harbor meadow copper thread window garden engine lantern".split()
 
 
@@ -155,6 +161,7 @@ def served(name: str, model_dir: Path) -> Iterator[str]:
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: str, extra: dict[str, Any], n: int) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0}
+    body["speculative_usage"] = True  # ppserve's acceptance counts (other servers ignore the field)
     async with session.post(url + "/v1/chat/completions", json={**body, **extra}) as r:
         data = await r.json()
     if "choices" not in data:
@@ -176,20 +183,42 @@ def busy(url: str) -> list[float]:
     return [float(v) for v in re.findall(r'^ppserve_stage_busy_fraction\{stage="\d+"\} (\S+)$', text, re.M)]
 
 
-async def run(url: str, jobs: list[tuple[str, dict[str, Any]]], n: int, concurrent: bool) -> dict[str, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await one(session, url, jobs[0][0], jobs[0][1], 8)  # warm up (grammar compiles, caches)
-        start = time.perf_counter()
-        if concurrent:
-            results = await asyncio.gather(*(one(session, url, p, e, n) for p, e in jobs))
-        else:
-            results = [await one(session, url, p, e, n) for p, e in jobs]
-        seconds = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
+def summary(chunks: list[tuple[list[dict[str, Any]], float]]) -> dict[str, Any]:
+    """Output tokens per second over timed chunks of results (a request, or a round of streams)."""
+    results = [r for rs, _ in chunks for r in rs]
+    tokens, seconds = sum(r["tokens"] for r in results), sum(s for _, s in chunks)
     drafted, kept = sum(r["draft_tokens"] for r in results), sum(r["accepted_tokens"] for r in results)
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "draft_tokens": drafted}
     out |= {"accepted_tokens": kept, "acceptance_rate": kept / drafted if drafted else None}
     out["texts"] = [r["text"][:200] for r in results[:2]]
+    return out
+
+
+async def timed(session: aiohttp.ClientSession, url: str, jobs: list[Job], n: int, concurrent: bool) -> Chunk:
+    start = time.perf_counter()
+    if concurrent:
+        results = list(await asyncio.gather(*(one(session, url, p, e, n) for p, e in jobs)))
+    else:
+        results = [await one(session, url, p, e, n) for p, e in jobs]
+    return results, time.perf_counter() - start
+
+
+async def run(urls: dict[str, str], jobs: list[Job], n: int, concurrent: bool, rounds: int) -> dict[str, Any]:
+    """The jobs on each engine of `urls` (served side by side), taking turns so that the machine's
+    drift falls on every engine alike: at batch 1 request by request, as streams round by round
+    (`rounds` each); which engine goes first alternates."""
+    chunks: dict[str, list[Chunk]] = {name: [] for name in urls}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        for url in urls.values():
+            await one(session, url, jobs[0][0], jobs[0][1], 8)  # warm up (grammar compiles, caches)
+        turns = [jobs] * rounds if concurrent else [[job] for job in jobs]
+        for i, turn in enumerate(turns):
+            for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
+                chunks[name].append(await timed(session, urls[name], turn, n, concurrent))
+    out = {name: summary(c) for name, c in chunks.items()}
+    if concurrent:
+        for name, c in chunks.items():
+            out[name]["round_tokens_per_s"] = [sum(r["tokens"] for r in rs) / s for rs, s in c]
     return out
 
 
@@ -199,10 +228,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default="a,b,c,d")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--modes", default="batch1,streams", help="batch1,streams: what to run (default both)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the streams per engine (default 3)")
     p.add_argument("--llama-modes", default="batch1", help="batch1,streams: llama-server's runs (default batch1)")
     p.add_argument("--llama-workloads", default="a,b,c,d", help="llama-server's workloads (default all)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
     return p.parse_args(argv)
+
+
+def groups(engines: list[str]) -> list[list[str]]:
+    """The engines in the order given, each with/without-drafts pair as one group, served side by side."""
+    out: list[list[str]] = []
+    for name in engines:
+        pair = name.removesuffix("-off") + "-spec" if name.endswith("-off") else name.removesuffix("-spec") + "-off"
+        if name.startswith("ppserve") and pair in engines:
+            if not any(pair in g for g in out):
+                out.append(sorted([name, pair], reverse=True))  # -spec first
+        else:
+            out.append([name])
+    return out
+
+
+def measure(args: argparse.Namespace, group: list[str], urls: dict[str, str], data: dict[str, list[Job]]) -> Results:
+    """Every workload and mode that applies to the group's engines, run on them side by side."""
+    results: Results = {name: {} for name in group}
+    for w in data:
+        for mode, concurrent in (("batch1", False), ("streams", True)):
+            if mode not in args.modes.split(","):
+                continue
+            if "-pp2" in group[0] and mode == "batch1":
+                continue  # PP=2 is here for the stages' busy share under load
+            if group[0].startswith("llama") and (
+                mode not in args.llama_modes.split(",") or w not in args.llama_workloads
+            ):
+                continue
+            try:
+                measured = asyncio.run(run(urls, data[w], args.max_tokens, concurrent, args.rounds))
+            except RuntimeError as e:  # (llama-server refuses a schema with --spec-type)
+                for name in group:
+                    results[name][f"{w}/{mode}"] = {"error": str(e)[:300]}
+                print(f"{'+'.join(group):18} {w} {mode:8} failed: {e}", flush=True)
+                continue
+            for name, r in measured.items():
+                if name.startswith("ppserve"):
+                    r["stage_busy"] = busy(urls[name])
+                results[name][f"{w}/{mode}"] = r
+                print(f"{name:18} {w} {mode:8} {r['tokens_per_s']:7.1f} tok/s  accepted {r['accepted_tokens']}/"
+                      f"{r['draft_tokens']}", flush=True)  # fmt: skip
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,30 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     if any(e.startswith("llama") for e in engines):
         setup_llama_server()
     data = {w: [WORKLOADS[w](random.Random(1000 * i + ord(w))) for i in range(args.num_requests)] for w in workloads}
-    results: dict[str, dict[str, Any]] = {}
-    for name in engines:
-        results[name] = {}
-        with served(name, model_dir) as url:
-            for w in workloads:
-                for mode, concurrent in (("batch1", False), ("streams", True)):
-                    if "-pp2" in name and mode == "batch1":
-                        continue  # PP=2 is here for the stages' busy share under load
-                    if name.startswith("llama") and (
-                        mode not in args.llama_modes.split(",") or w not in args.llama_workloads
-                    ):
-                        continue
-                    try:
-                        r = asyncio.run(run(url, data[w], args.max_tokens, concurrent))
-                    except RuntimeError as e:  # (llama-server refuses a schema with --spec-type)
-                        results[name][f"{w}/{mode}"] = {"error": str(e)[:300]}
-                        print(f"{name:18} {w} {mode:8} failed: {e}", flush=True)
-                        continue
-                    if name.startswith("ppserve"):
-                        r["stage_busy"] = busy(url)
-                    results[name][f"{w}/{mode}"] = r
-                    print(f"{name:18} {w} {mode:8} {r['tokens_per_s']:7.1f} tok/s  accepted {r['accepted_tokens']}/"
-                          f"{r['draft_tokens']}", flush=True)  # fmt: skip
-        report(args, workloads, results)  # after each engine: a run cut short keeps what it measured
+    results: Results = {}
+    for group in groups(engines):
+        with contextlib.ExitStack() as stack:
+            urls = {name: stack.enter_context(served(name, model_dir)) for name in group}
+            results |= measure(args, group, urls, data)
+        report(args, workloads, results)  # after each group: a run cut short keeps what it measured
 
 
 def report(args: argparse.Namespace, workloads: list[str], results: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Drafts without a model: guesses of a request's next tokens from text already seen (pure Python).
 
 - `ngram` (prompt lookup): the last n tokens of the request (n from MAX_N down to 1) are looked up
-  in its own prompt and output, and what followed their latest earlier occurrence is proposed.
+  in its own prompt and output, and what followed their latest earlier occurrence is proposed, or
+  where the copy the last draft began has reached, if the text still follows it as closely.
   Edits of code, answers that quote a document and multi-turn chats copy from their input.
 - `suffix`: the same lookup, and where the request's own text has no match, in the text of recent
   requests of the same tenant (cache salt, as the prefix cache keys it), so that structures that
@@ -28,11 +29,18 @@ Gram = tuple[int, ...]
 
 
 class TokenBuffer:
-    """One request's tokens in a growing int64 array, searched for earlier occurrences of its tail."""
+    """One request's tokens in a growing int64 array, searched for earlier occurrences of its tail.
+
+    It remembers where its last draft was copied from: while the text since still follows that
+    place at least as closely as it follows any other (as long a match of its last tokens), the
+    copy goes on from there. Code and documents repeat their lines (`for item in records[`): the
+    latest occurrence of the tail may be the previous loop's line, while the copy being made is of
+    the line after the one copied last."""
 
     def __init__(self) -> None:
         self._buf = np.empty(256, dtype=np.int64)
         self.length = 0
+        self._copy: tuple[int, int] | None = None  # (where the last draft began, the length then)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -48,9 +56,25 @@ class TokenBuffer:
         self.length = end
 
     def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram
-        (n <= MAX_N) that ends this sequence, within its last SEARCH_TOKENS tokens."""
+        """Up to k tokens that followed an earlier occurrence of the longest n-gram (n <= MAX_N)
+        that ends this sequence, within its last SEARCH_TOKENS tokens: the place the last copy
+        has reached where its match is that long, else the latest occurrence."""
         t = self.tokens
+        n, after = self._latest_match(t)
+        if self._copy is not None:
+            start, length = self._copy
+            here = start + len(t) - length  # where the copy has reached
+            if here < len(t) and n > 0 and self._common_tail(t, here) >= n:
+                after = here
+        if after is None:
+            return []
+        self._copy = (after, len(t))
+        return t[after : after + k].tolist()
+
+    @staticmethod
+    def _latest_match(t: np.ndarray) -> tuple[int, int | None]:
+        """The longest n <= MAX_N whose last n tokens occurred before, and where the latest such
+        occurrence was followed on (0, None where even the last token is new)."""
         end = len(t) - 1  # an occurrence must end before the last token, so that something follows it
         lo = max(0, end - SEARCH_TOKENS)
         for n in range(min(MAX_N, end), 0, -1):
@@ -60,9 +84,16 @@ class TokenBuffer:
                 match &= t[lo + n - 1 - back : end - back] == t[-1 - back]
             hits = np.flatnonzero(match)
             if len(hits):
-                after = lo + int(hits[-1]) + n
-                return t[after : after + k].tolist()
-        return []
+                return n, lo + int(hits[-1]) + n
+        return 0, None
+
+    @staticmethod
+    def _common_tail(t: np.ndarray, here: int) -> int:
+        """How many tokens (up to MAX_N) before `here` equal the sequence's last ones."""
+        m = 0
+        while m < min(MAX_N, here) and t[here - 1 - m] == t[-1 - m]:
+            m += 1
+        return m
 
 
 class SuffixIndex:

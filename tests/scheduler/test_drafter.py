@@ -33,6 +33,21 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert lone.length == 1001 and lone.tokens[-1] == 999
 
 
+def test_a_copy_goes_on_where_it_reached_while_the_text_follows_it() -> None:
+    lines = [7, 1, 2, 3, 10, 4, 1, 2, 3, 11, 4, 1, 2, 3, 12, 4, 8]  # three lines that begin alike
+    copying = [9, 7, 1, 2, 3, 10, 4, 1, 2, 3, 11, 4, 1, 2, 3]  # a reply copying them, at line 3's start
+    fresh = TokenBuffer()
+    fresh.extend(lines + copying)
+    assert fresh.lookup(3) == [11, 4, 1]  # the tail's latest occurrence: the reply's own line 2
+    b = TokenBuffer()
+    b.extend(lines + copying[:2])
+    assert b.lookup(16) == lines[1:17]  # the copy begins at the prompt's first line
+    b.extend(copying[2:])
+    assert b.lookup(3) == [12, 4, 8]  # it goes on from where it reached: line 3
+    b.extend([12, 5, 6, 1, 2])  # the reply leaves the copy: the latest occurrence again
+    assert b.lookup(2) == [3, 12]
+
+
 def test_suffix_index_is_per_tenant_and_bounded() -> None:
     index = SuffixIndex(capacity=20)
     index.add("a", [1, 2, 3, 4, 5])
