@@ -15,6 +15,8 @@ too.
 
     .venv/bin/python -m benchmarks speculative                       # all engines (about 35 minutes)
     .venv/bin/python -m benchmarks speculative --engines ppserve-spec,ppserve-off --workloads a,d
+    .venv/bin/python -m benchmarks speculative --engines ppserve-spec,ppserve-off,ppserve-pp2-spec,ppserve-pp2-off \
+        --carry benchmarks/results/speculative.json        # ppserve again, llama-server's figures kept
 
 Writes benchmarks/results/speculative.json; server logs go to build/peers/logs/.
 """
@@ -39,7 +41,7 @@ import aiohttp
 
 from benchmarks.harness.peer_servers import MODEL_NAME, free_port, healthy, interrupt, kill_tree
 from benchmarks.harness.peers_setup import LLAMA_SERVER, LOGS, gguf, setup_llama_server, smollm2_hf_dir
-from benchmarks.harness.record import write_result
+from benchmarks.harness.record import read_result, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
@@ -232,6 +234,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the streams per engine (default 3)")
     p.add_argument("--llama-modes", default="batch1", help="batch1,streams: llama-server's runs (default batch1)")
     p.add_argument("--llama-workloads", default="a,b,c,d", help="llama-server's workloads (default all)")
+    p.add_argument(
+        "--carry", help="an earlier result file: its engines this run leaves out are kept, with their commit"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
     return p.parse_args(argv)
 
@@ -288,15 +293,25 @@ def main(argv: list[str] | None = None) -> None:
     if any(e.startswith("llama") for e in engines):
         setup_llama_server()
     data = {w: [WORKLOADS[w](random.Random(1000 * i + ord(w))) for i in range(args.num_requests)] for w in workloads}
-    results: Results = {}
+    results, carried = carry(args.carry, engines)
     for group in groups(engines):
         with contextlib.ExitStack() as stack:
             urls = {name: stack.enter_context(served(name, model_dir)) for name in group}
             results |= measure(args, group, urls, data)
-        report(args, workloads, results)  # after each group: a run cut short keeps what it measured
+        report(args, workloads, results, carried)  # after each group: a run cut short keeps what it measured
 
 
-def report(args: argparse.Namespace, workloads: list[str], results: dict[str, Any]) -> None:
+def carry(path: str | None, engines: list[str]) -> tuple[Results, dict[str, str]]:
+    """The figures of the engines this run does not measure, from an earlier result file, and the
+    commit each was measured at (llama-server's do not change with ppserve's code)."""
+    if path is None:
+        return {}, {}
+    earlier = read_result(path)
+    kept = {e: r for e, r in earlier["results"].items() if e not in engines}
+    return kept, {e: earlier.get("carried", {}).get(e, earlier["commit"]) for e in kept}
+
+
+def report(args: argparse.Namespace, workloads: list[str], results: Results, carried: dict[str, str]) -> None:
     ratios: dict[str, Any] = {}
     for w in workloads:
         for mode in ("batch1", "streams"):
@@ -311,5 +326,5 @@ def report(args: argparse.Namespace, workloads: list[str], results: dict[str, An
     for k, v in ratios.items():
         print(f"{k:40} {v:.2f}x")
     out = {"benchmark": "speculative decoding", "workloads": {w: NAMES[w] for w in workloads}}
-    out |= {"results": results, "ratios": ratios}
+    out |= {"results": results, "ratios": ratios, "carried": carried}
     print("wrote", write_result(args.out, out, args))

@@ -179,11 +179,6 @@ class Speculator:
         self.drafter.finished(r)
 
 
-def _alpha(r: Request) -> float:
-    """The chance that r's next draft token is kept: its counts, with a prior of one half."""
-    return (r.spec_hits + 1) / (r.spec_tries + 2)
-
-
 def _fade(r: Request) -> None:
     """r's acceptance counts fade by FORGET per token made since they last did (also while it
     decodes ahead without drafting: so that it tries again)."""

@@ -13,9 +13,9 @@ MODES = (("batch1", "batch 1"), ("streams", "16 streams"))
 def table_speculative(r: Sequence[Result]) -> list[str]:
     """Per workload and mode: ppserve's output tokens/s with drafts and without, their ratio (bold
     where it meets the issue's target), the fraction of drafts kept, llama-server's best lookup
-    type, and ppserve with drafts over it."""
+    type (with its commit where the run carried it from an earlier one), and ppserve with drafts over it."""
     d = r[0]
-    res = d["results"]
+    res, carried = d["results"], d.get("carried", {})
     rows = []
     for w, name in d["workloads"].items():
         for mode, label in MODES:
@@ -40,13 +40,17 @@ def table_speculative(r: Sequence[Result]) -> list[str]:
                     num(off["tokens_per_s"]),
                     bold(f"{num(ratio, 2)}x", ratio >= target),
                     kept,
-                    f"{num(lookups[best])} ({best.removeprefix('llama-')})" if best else "",
+                    f"{num(lookups[best])} ({best.removeprefix('llama-')}{_at(carried.get(best))})" if best else "",
                     f"{num(spec['tokens_per_s'] / lookups[best], 2)}x" if best else "",
                 ]
             )
     header = ["workload", "ppserve, drafts", "ppserve, off", "drafts / off", "drafts kept"]
     header += ["llama-server, best lookup", "ppserve drafts / best lookup"]
     return markdown(header, rows)
+
+
+def _at(commit: str | None) -> str:
+    return f", at {commit[:7]}" if commit else ""
 
 
 def table_speculative_pp2(r: Sequence[Result]) -> list[str]:
