@@ -13,7 +13,7 @@ ppserve at PP=2 runs with and without drafts too (in the same way), for the stag
 llama-server runs each n-gram --spec-type (and none), at batch 1 unless --llama-modes says streams
 too.
 
-    .venv/bin/python -m benchmarks speculative                       # all engines (about 35 minutes)
+    .venv/bin/python -m benchmarks speculative                       # all engines (about 50 minutes)
     .venv/bin/python -m benchmarks speculative --engines ppserve-spec,ppserve-off --workloads a,d
     .venv/bin/python -m benchmarks speculative --engines ppserve-spec,ppserve-off,ppserve-pp2-spec,ppserve-pp2-off \
         --carry benchmarks/results/speculative.json        # ppserve again, llama-server's figures kept
@@ -29,6 +29,7 @@ import contextlib
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +46,17 @@ from benchmarks.harness.record import read_result, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
-ENGINES = ("ppserve-spec", "ppserve-off", "ppserve-pp2-spec", "ppserve-pp2-off", *(f"llama-{t}" for t in LLAMA_TYPES))
+# ppserve-control-a and -b: two servers without drafts, side by side like the others: the ratio of
+# two identical engines, what the spec/off ratios cannot tell from the machine's noise.
+PPSERVE = (
+    "ppserve-spec",
+    "ppserve-off",
+    "ppserve-pp2-spec",
+    "ppserve-pp2-off",
+    "ppserve-control-a",
+    "ppserve-control-b",
+)
+ENGINES = (*PPSERVE, *(f"llama-{t}" for t in LLAMA_TYPES))
 Job = tuple[str, dict[str, Any]]  # a prompt and the request's extra fields
 Chunk = tuple[list[dict[str, Any]], float]  # results timed together: one request, or a round of streams
 Results = dict[str, dict[str, Any]]  # engine -> "workload/mode" -> what was measured
@@ -214,13 +225,18 @@ async def run(urls: dict[str, str], jobs: list[Job], n: int, concurrent: bool, r
         for url in urls.values():
             await one(session, url, jobs[0][0], jobs[0][1], 8)  # warm up (grammar compiles, caches)
         turns = [jobs] * rounds if concurrent else [[job] for job in jobs]
+        busy_rounds: dict[str, list[list[float]]] = {name: [] for name in urls}
         for i, turn in enumerate(turns):
             for name in list(urls)[:: 1 if i % 2 == 0 else -1]:
                 chunks[name].append(await timed(session, urls[name], turn, n, concurrent))
+                if concurrent and name.startswith("ppserve"):  # right after its own round, not the other's
+                    busy_rounds[name].append(busy(urls[name]))
     out = {name: summary(c) for name, c in chunks.items()}
     if concurrent:
         for name, c in chunks.items():
             out[name]["round_tokens_per_s"] = [sum(r["tokens"] for r in rs) / s for rs, s in c]
+            if busy_rounds[name]:  # each stage's median over the rounds
+                out[name]["stage_busy"] = [statistics.median(b) for b in zip(*busy_rounds[name], strict=True)]
     return out
 
 
@@ -242,16 +258,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def groups(engines: list[str]) -> list[list[str]]:
-    """The engines in the order given, each with/without-drafts pair as one group, served side by side."""
-    out: list[list[str]] = []
+    """The engines in the order given, ppserve's with the same name but for the last part (-spec and
+    -off, or the control's -a and -b) as one group, served side by side."""
+    out: dict[str, list[str]] = {}
     for name in engines:
-        pair = name.removesuffix("-off") + "-spec" if name.endswith("-off") else name.removesuffix("-spec") + "-off"
-        if name.startswith("ppserve") and pair in engines:
-            if not any(pair in g for g in out):
-                out.append(sorted([name, pair], reverse=True))  # -spec first
-        else:
-            out.append([name])
-    return out
+        key = name.rsplit("-", 1)[0] if name.startswith("ppserve") else name
+        out.setdefault(key, []).append(name)
+    return list(out.values())
 
 
 def measure(args: argparse.Namespace, group: list[str], urls: dict[str, str], data: dict[str, list[Job]]) -> Results:
@@ -275,8 +288,6 @@ def measure(args: argparse.Namespace, group: list[str], urls: dict[str, str], da
                 print(f"{'+'.join(group):18} {w} {mode:8} failed: {e}", flush=True)
                 continue
             for name, r in measured.items():
-                if name.startswith("ppserve"):
-                    r["stage_busy"] = busy(urls[name])
                 results[name][f"{w}/{mode}"] = r
                 print(f"{name:18} {w} {mode:8} {r['tokens_per_s']:7.1f} tok/s  accepted {r['accepted_tokens']}/"
                       f"{r['draft_tokens']}", flush=True)  # fmt: skip
@@ -298,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.ExitStack() as stack:
             urls = {name: stack.enter_context(served(name, model_dir)) for name in group}
             results |= measure(args, group, urls, data)
-        report(args, workloads, results, carried)  # after each group: a run cut short keeps what it measured
+        report(args, results, carried)  # after each group: a run cut short keeps what it measured
 
 
 def carry(path: str | None, engines: list[str]) -> tuple[Results, dict[str, str]]:
@@ -311,14 +322,16 @@ def carry(path: str | None, engines: list[str]) -> tuple[Results, dict[str, str]
     return kept, {e: earlier.get("carried", {}).get(e, earlier["commit"]) for e in kept}
 
 
-def report(args: argparse.Namespace, workloads: list[str], results: Results, carried: dict[str, str]) -> None:
+def report(args: argparse.Namespace, results: Results, carried: dict[str, str]) -> None:
     ratios: dict[str, Any] = {}
+    workloads = sorted({key.split("/")[0] for r in results.values() for key in r})  # carried ones too
     for w in workloads:
         for mode in ("batch1", "streams"):
             key = f"{w}/{mode}"
             have = {e: r[key]["tokens_per_s"] for e, r in results.items() if "tokens_per_s" in r.get(key, {})}
-            if "ppserve-spec" in have and "ppserve-off" in have:
-                ratios[f"{key}: spec/off"] = have["ppserve-spec"] / have["ppserve-off"]
+            for a, b, label in (("spec", "off", "spec/off"), ("control-b", "control-a", "control b/a")):
+                if f"ppserve-{a}" in have and f"ppserve-{b}" in have:
+                    ratios[f"{key}: {label}"] = have[f"ppserve-{a}"] / have[f"ppserve-{b}"]
             llamas = {e: v for e, v in have.items() if e.startswith("llama") and e != "llama-none"}
             if "ppserve-spec" in have and llamas:
                 best = max(llamas, key=llamas.__getitem__)

@@ -44,6 +44,12 @@ def table_speculative(r: Sequence[Result]) -> list[str]:
                     f"{num(spec['tokens_per_s'] / lookups[best], 2)}x" if best else "",
                 ]
             )
+    for key, a in res.get("ppserve-control-a", {}).items():  # two servers without drafts: the noise
+        if "tokens_per_s" in a and "tokens_per_s" in (b := res.get("ppserve-control-b", {}).get(key, {})):
+            w, mode = key.split("/")
+            ratio = f"{num(b['tokens_per_s'] / a['tokens_per_s'], 2)}x"
+            label = f"control: ({w}) {d['workloads'][w]}, {dict(MODES)[mode]}, off / off"
+            rows.append([label, num(b["tokens_per_s"]), num(a["tokens_per_s"]), ratio, "-", "", ""])
     header = ["workload", "ppserve, drafts", "ppserve, off", "drafts / off", "drafts kept"]
     header += ["llama-server, best lookup", "ppserve drafts / best lookup"]
     return markdown(header, rows)
