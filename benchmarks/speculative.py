@@ -196,7 +196,7 @@ def busy(url: str) -> list[float]:
     return [float(v) for v in re.findall(r'^ppserve_stage_busy_fraction\{stage="\d+"\} (\S+)$', text, re.M)]
 
 
-def summary(chunks: list[tuple[list[dict[str, Any]], float]]) -> dict[str, Any]:
+def summary(chunks: list[Chunk]) -> dict[str, Any]:
     """Output tokens per second over timed chunks of results (a request, or a round of streams)."""
     results = [r for rs, _ in chunks for r in rs]
     tokens, seconds = sum(r["tokens"] for r in results), sum(s for _, s in chunks)
