@@ -42,6 +42,7 @@ struct Layer {
   int64_t gelu;                 // the MLP's activation: GELU's tanh approximation (Gemma), else SiLU
   int64_t group, index;         // its KV cache: layer `index` of Cache `group`
   int64_t rope;                 // its RoPE table: 0 the global one, 1 the local one (Gemma's sliding layers)
+  int64_t moe;                  // a mixture of experts in place of the MLP: the caller's, as `which` 2
 };
 
 // A group of layers' KV cache (engine/model/kv_cache.py: the full layers', the windowed ones') and
@@ -68,8 +69,9 @@ struct Buffers {
   void *normed, *qkv, *attn, *proj, *gate_up, *act, *pending;
 };
 
-// Runs layer `layer`'s linear `which` (0: qkv, 1: out, 2: gate_up, 3: down) on the first `rows`
-// rows of its input buffer; returns the address of its output ([rows, out_features], valid until
+// Runs layer `layer`'s linear `which` (0: qkv, 1: out, 2: gate_up, 3: down; a mixture of experts'
+// layer: 2 is its whole MLP, normed -> its output, [rows, hidden]) on the first `rows` rows of its
+// input buffer; returns the address of its output ([rows, out_features], valid until
 // the next call for the same `which`), or 0 when it failed (the step then stops and says so).
 using LinearFn = intptr_t (*)(int64_t layer, int64_t which, int64_t rows);
 
@@ -240,12 +242,18 @@ int decode_layers(const Layer* layers, int64_t num_layers, const Dims& d, const 
     } else {
       norm(h, proj, l.post_norm, normed, n, d.hidden, d.eps);
     }
-    if (l.gelu || !silu_gemm(l.gate_up, normed, act, n)) {
-      const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
-      if (gate_up == nullptr) return 1;
-      gated_mul(l.gelu != 0, gate_up, act, n, l.gate_up.out_features / 2);
+    if (l.moe) {
+      // The experts (engine/model/moe.py): its router is torch's linear, as in the module loop, and
+      // its grouped kernel one call; from here only the Python around attention is saved.
+      pending = reinterpret_cast<T*>(linear(i, 2, n));
+    } else {
+      if (l.gelu || !silu_gemm(l.gate_up, normed, act, n)) {
+        const T* gate_up = gemm(l.gate_up, normed, static_cast<T*>(buf.gate_up), n, linear, i, 2);
+        if (gate_up == nullptr) return 1;
+        gated_mul(l.gelu != 0, gate_up, act, n, l.gate_up.out_features / 2);
+      }
+      pending = gemm(l.down, act, static_cast<T*>(buf.pending), n, linear, i, 3);
     }
-    pending = gemm(l.down, act, static_cast<T*>(buf.pending), n, linear, i, 3);
     if (pending == nullptr) return 1;
     if (l.post_ffn_norm != nullptr) {  // Gemma: the MLP's output normed before the next layer adds it
       T* normed_mlp = scratch(normed_out_v, n * d.hidden);
@@ -324,7 +332,7 @@ const char* decode_step_layout() {
       PPSERVE_FIELD(Layer, out) + PPSERVE_FIELD(Layer, gate_up) + PPSERVE_FIELD(Layer, down) +
       PPSERVE_FIELD(Layer, window) + PPSERVE_FIELD(Layer, pre_ffn_norm) + PPSERVE_FIELD(Layer, post_ffn_norm) +
       PPSERVE_FIELD(Layer, gelu) + PPSERVE_FIELD(Layer, group) + PPSERVE_FIELD(Layer, index) +
-      PPSERVE_FIELD(Layer, rope) +
+      PPSERVE_FIELD(Layer, rope) + PPSERVE_FIELD(Layer, moe) +
       PPSERVE_STRUCT(Cache) + PPSERVE_FIELD(Cache, kv) + PPSERVE_FIELD(Cache, slots) + PPSERVE_FIELD(Cache, slot) +
       PPSERVE_FIELD(Cache, tables) + PPSERVE_FIELD(Cache, lens) + PPSERVE_FIELD(Cache, max_blocks) +
       PPSERVE_STRUCT(Dims) + PPSERVE_FIELD(Dims, hidden) + PPSERVE_FIELD(Dims, heads) +

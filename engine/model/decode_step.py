@@ -8,8 +8,9 @@ tokens do not depend on which path their micro-batch took.
 
 It applies where every layer's norms, RoPE, attention and activation run on the library (float32
 or bfloat16 on the CPU; Gemma 3's layers in float32, where its norms do: its norms around attention
-and the MLP, GELU, and sliding layers with a RoPE table and a KV group of their own). A linear that
-runs one of the library's GEMMs (ppserve's float or quantized GEMM) is called from C++ too; any
+and the MLP, GELU, and sliding layers with a RoPE table and a KV group of their own). A mixture of
+experts (engine/model/moe.py) is called back as its whole module, its router torch's linear as in
+the module loop: the step saves the Python around attention. A linear that runs one of the library's GEMMs (ppserve's float or quantized GEMM) is called from C++ too; any
 other (oneDNN's, which bfloat16's float linears run where the CPU lacks AVX-512 BF16) is called back
 here, as the same module on the same input, in buffers this side owns.
 `DecodeStep.build` says None where the step does not apply, and the layers run as modules.
@@ -132,6 +133,7 @@ class _Layer(ctypes.Structure):
         ("group", ctypes.c_int64),
         ("index", ctypes.c_int64),
         ("rope", ctypes.c_int64),
+        ("moe", ctypes.c_int64),
     ]
 
 
@@ -315,11 +317,21 @@ def _gemm(linear: torch.nn.Module) -> _Gemm:
     return _Gemm(_KINDS[packed.kernel], weight, scales, mins, bias, packed.rows, linear.in_features)
 
 
-def _linears(layer: FusedLayer) -> list[AnyLinear]:
-    """A layer's linears in decode_step.cpp's order (LinearFn's `which`)."""
+def _linears(layer: FusedLayer) -> list[AnyLinear | MoE]:
+    """A layer's linears in decode_step.cpp's order (LinearFn's `which`); a mixture of experts is
+    one, in gate_up's place (`which` 2 runs the whole MoE module)."""
     mlp = layer.mlp
-    assert not isinstance(mlp, MoE)  # such a layer is the modules' (DecodeStep.build)
+    if isinstance(mlp, MoE):
+        return [layer.self_attn.qkv, layer.self_attn.out, mlp]
     return [layer.self_attn.qkv, layer.self_attn.out, mlp.gate_up, mlp.down]
+
+
+def _mlp_gemms(mlp: _Mlp | MoE, hidden: int) -> list[_Gemm]:
+    """A layer's gate_up and down as decode_step.cpp takes them; a mixture of experts' are the caller's
+    (both stand for the whole module, hidden to hidden: its gate_up's buffers go unused)."""
+    if isinstance(mlp, MoE):
+        return [_Gemm(_CALLBACK, None, None, None, None, hidden, hidden) for _ in range(2)]
+    return [_gemm(mlp.gate_up), _gemm(mlp.down)]
 
 
 class DecodeStep:
@@ -376,10 +388,9 @@ class DecodeStep:
         keep: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if isinstance(mlp, MoE):
-                return None  # experts (engine/model/moe.py): their grouping is the modules'
+            moe = isinstance(mlp, MoE)  # called back as its module (its router is torch's: moe.py)
             modules = layer.norms()
-            on_kernels = isinstance(attn.backend, CpuDecodeAttention) and mlp.fast
+            on_kernels = isinstance(attn.backend, CpuDecodeAttention) and (moe or mlp.fast)
             if not on_kernels or any(n is not None and not n.fast for n in modules):
                 return None  # (Gemma's norms run on the library in float32 only)
             norms = [None if n is None else n.kernel_weight() for n in modules]
@@ -387,11 +398,12 @@ class DecodeStep:
                 return None
             if any(n is not None and n.eps != layer.input_layernorm.eps for n in modules):
                 return None  # the step takes one eps for every norm
-            gemms = [_gemm(linear) for linear in _linears(layer)]
+            hidden = layer.input_layernorm.weight.shape[0]
+            gemms = [_gemm(attn.qkv), _gemm(attn.out), *_mlp_gemms(mlp, hidden)]
             keep += [n for n in norms if n is not None]
             pointers = [None if n is None else n.data_ptr() for n in norms]
-            rope = int(attn.rope == "local")
-            structs.append(_Layer(*pointers[:4], *gemms, attn.window or 0, *pointers[4:], int(mlp.gelu), 0, 0, rope))
+            rope, gelu = int(attn.rope == "local"), 0 if isinstance(mlp, MoE) else int(mlp.gelu)
+            structs.append(_Layer(*pointers[:4], *gemms, attn.window or 0, *pointers[4:], gelu, 0, 0, rope, int(moe)))
         if len({(s.qkv.out_features, s.gate_up.out_features) for s in structs}) > 1:
             return None  # one set of buffers serves every layer
         attn, norm = layers[0].self_attn, layers[0].input_layernorm

@@ -13,9 +13,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 from helpers import random_prompt
 from test_gemma3 import SPECS as GEMMA3
+from test_moe import gguf_sources  # noqa: F401 (a fixture)
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels, linear
+from ppserve.engine.model.moe import MoE
 from ppserve.engine.model.tiny_checkpoint import make_tiny_checkpoint
 from ppserve.engine.runtime.stage_runner import StageRunner
 from ppserve.transport.messages import SeqChunk
@@ -166,3 +168,18 @@ def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytes
     assert calls == []
     _forward(runners, [SeqChunk("a", [11], 3, [1], True), SeqChunk("b", [12], 1, [2], True)])
     assert calls == [1, 1]
+
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "gguf-q4_0"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_moe_equals_layers(gguf_sources: dict[str, Path], tmp_path: Path, arch: str, source: str) -> None:
+    """Mixtures of experts: the step calls each MoE module back whole (its router torch's), with float
+    experts (the loop over them) or Q4_0 ones (the grouped kernel)."""
+    model = gguf_sources[arch]
+    if source == "gguf-q4_0":
+        model = write_gguf(model, tmp_path / "m.gguf", Q.Q4_0)
+    runners = _runners(model)
+    assert any(isinstance(layer.mlp, MoE) for r in runners for layer in r.model.model.layers.values())
+    _check_equal_to_layers(runners, [9])
+    _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
