@@ -63,6 +63,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def gguf_sources(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints llama.cpp's formats can hold: Mixtral, and a Qwen3-MoE with experts in every layer
+    (llama.cpp's qwen3moe has no dense layers, and renormalises the top k) whose widths are whole
+    blocks of 32."""
+    moe = (*_QWEN3_MOE[:2], ("moe_intermediate_size", 64), ("norm_topk_prob", True))
+    spec = TinySpec(arch="qwen3_moe", seed=12, head_dim=16, overrides=moe)
+    return {"mixtral": checkpoints["mixtral"], "qwen3-moe": make_tiny_checkpoint(tmp_path_factory.mktemp("q3m"), spec)}
+
+
+@pytest.fixture(scope="session")
 def llama_dir(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
 

@@ -10,9 +10,10 @@ It applies where every layer's norms, RoPE, attention and activation run on the 
 or bfloat16 on the CPU; Gemma 3's layers in float32, where its norms do: its norms around attention
 and the MLP, GELU, and sliding layers with a RoPE table and a KV group of their own). A mixture of
 experts (engine/model/moe.py) is called back as its whole module, its router torch's linear as in
-the module loop: the step saves the Python around attention. A linear that runs one of the library's GEMMs (ppserve's float or quantized GEMM) is called from C++ too; any
-other (oneDNN's, which bfloat16's float linears run where the CPU lacks AVX-512 BF16) is called back
-here, as the same module on the same input, in buffers this side owns.
+the module loop: the step saves the Python around attention. A linear that runs one of the
+library's GEMMs (ppserve's float or quantized GEMM) is called from C++ too; any other (oneDNN's,
+which bfloat16's float linears run where the CPU lacks AVX-512 BF16) is called back here, as the
+same module on the same input, in buffers this side owns.
 `DecodeStep.build` says None where the step does not apply, and the layers run as modules.
 
 The arguments cross into C++ as ctypes copies of decode_step.cpp's structs, which nothing in ctypes

@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 from helpers import random_prompt
 from test_gemma3 import SPECS as GEMMA3
-from test_moe import gguf_sources  # noqa: F401 (a fixture)
 
 from ppserve.engine.config import EngineConfig
 from ppserve.engine.model import cpu_kernels, linear
@@ -168,7 +167,6 @@ def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytes
     assert calls == []
     _forward(runners, [SeqChunk("a", [11], 3, [1], True), SeqChunk("b", [12], 1, [2], True)])
     assert calls == [1, 1]
-
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "gguf-q4_0"])

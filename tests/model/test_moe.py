@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _QWEN3_MOE
 from disagg_pair import collect as pd_collect
 from disagg_pair import engine as pd_engine
 from gguf import GGMLQuantizationType as Q
@@ -29,7 +28,6 @@ from ppserve.engine.model.model import MLP, DecoderLayer
 from ppserve.engine.model.model_config import ConfigError, ModelConfig
 from ppserve.engine.model.moe import MoE
 from ppserve.engine.model.quantized import QuantLinear
-from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from ppserve.engine.offline import OfflineEngine
 from ppserve.engine.runtime.expert_load import WINDOW_S, ExpertLoad
 from ppserve.scheduler.sampling_params import SamplingParams
@@ -150,16 +148,6 @@ def test_prefix_cache_and_chunks_equal_transformers(checkpoints: dict[str, Path]
         assert [g.token_ids for g in pipe.generate(prompts, GREEDY)] == expected
     assert pipe.scheduler.prefix_hits >= 2 * 16  # the second round found the shared blocks
     pipe.close()
-
-
-@pytest.fixture(scope="module")
-def gguf_sources(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Checkpoints llama.cpp's formats can hold: Mixtral, and a Qwen3-MoE with experts in every layer
-    (llama.cpp's qwen3moe has no dense layers, and renormalises the top k) whose widths are whole
-    blocks of 32."""
-    moe = (*_QWEN3_MOE[:2], ("moe_intermediate_size", 64), ("norm_topk_prob", True))
-    spec = TinySpec(arch="qwen3_moe", seed=12, head_dim=16, overrides=moe)
-    return {"mixtral": checkpoints["mixtral"], "qwen3-moe": make_tiny_checkpoint(tmp_path_factory.mktemp("q3m"), spec)}
 
 
 @pytest.mark.parametrize("arch", MOE)
