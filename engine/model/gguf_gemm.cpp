@@ -408,13 +408,10 @@ constexpr int64_t kItemRows = 8;
 constexpr int64_t kMaxParts = 8;  // weights a linear concatenates (a fused q/k/v has three)
 static_assert(kTileW <= kItemRows, "an item's biases fit kItemRows");
 
-thread_local QuantRows t_rows;
-
-// y [M, N] = x [M, K] @ W.T (+ bias), W the concatenation of `parts` weights of rows[p] rows each.
+// x [M, K] rounded to int8 per block of 32 (quantize_row) into xq, whose size follows the largest
+// batch it has held.
 template <typename T>
-void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types, const uint8_t* const* weights,
-                 const int64_t* rows, const T* bias, T* y) {
-  QuantRows& xq = t_rows;  // the calling thread's: its size follows the largest batch seen
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& xq) {
   xq.q.resize(M * K);
   xq.d.resize(M * K / 32);
   xq.sums.resize(M * K / 32);
@@ -422,47 +419,96 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   for (int64_t m = 0; m < M; ++m) {
     quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 32);
   }
-  int64_t N = 0;
-  for (int64_t p = 0; p < parts; ++p) N += rows[p];
-  // Items of kItemRows weight rows (kTileW for large batches), never across a part's end, over the
-  // team by shared_for: a thread that the server's other threads keep off its core leaves its rows
-  // to the other one rather than holding up the whole step.
-  const int64_t item_rows = M > kFewRows ? kTileW : kItemRows;
-  thread_local std::vector<std::pair<int64_t, int64_t>> items;  // (part, its first row)
-  items.clear();
-  for (int64_t p = 0; p < parts; ++p)
-    for (int64_t n = 0; n < rows[p]; n += item_rows) items.emplace_back(p, n);
-  int64_t firsts[kMaxParts] = {0};  // each part's first output column
+}
+
+// One linear, its activations quantized: y [M, N] = x @ W.T (+ bias), W the concatenation of
+// `parts` weights of rows[p] rows each.
+template <typename T>
+struct LinearCall {
+  const QuantRows* x;
+  int64_t M, K, parts;
+  const int64_t* types;
+  const uint8_t* const* weights;
+  const int64_t* rows;
+  const T* bias;
+  T* y;
+  int64_t N;
+  int64_t firsts[kMaxParts];  // each part's first output column
+  // Weight rows an item of work takes: kTileW for large batches (tile_rows), else kItemRows.
+  int64_t item_rows() const { return M > kFewRows ? kTileW : kItemRows; }
+};
+
+template <typename T>
+LinearCall<T> linear_call(const QuantRows& x, int64_t M, int64_t K, int64_t parts, const int64_t* types,
+                          const uint8_t* const* weights, const int64_t* rows, const T* bias, T* y) {
   if (parts > kMaxParts) std::abort();  // gguf_quant.py's GGUFLinear takes no more
-  for (int64_t p = 1; p < parts; ++p) firsts[p] = firsts[p - 1] + rows[p - 1];
-  const std::pair<int64_t, int64_t>* todo = items.data();
+  LinearCall<T> c{&x, M, K, parts, types, weights, rows, bias, y, 0, {0}};
+  for (int64_t p = 0; p < parts; ++p) c.N += rows[p];
+  for (int64_t p = 1; p < parts; ++p) c.firsts[p] = c.firsts[p - 1] + rows[p - 1];
+  return c;
+}
+
+// Weight rows n0 .. n0 + item_rows (at most) of part p of call c, against all its rows.
+template <typename T>
+void linear_item(const LinearCall<T>& c, int64_t p, int64_t n0) {
+  const int64_t type = c.types[p], K = c.K, M = c.M, N = c.N;
+  const int64_t row_bytes = K / block_values(type) * block_bytes(type);
+  const int rw = static_cast<int>(std::min(c.item_rows(), c.rows[p] - n0));
+  const uint8_t* w = c.weights[p] + n0 * row_bytes;
+  const QuantRows& xq = *c.x;
+  T* out = c.y + c.firsts[p] + n0;
+  float b[kItemRows];
+  for (int j = 0; j < rw; ++j) b[j] = c.bias ? to_float(c.bias[c.firsts[p] + n0 + j]) : 0.0f;
+  if (M > kFewRows) {
+    thread_local Unpacked unpacked;
+    kTiles<T>[type](w, row_bytes, rw, K, xq, M, unpacked, b, out, N);
+    return;
+  }
+  const RowDot dot4 = kDot<4>[type], dot1 = kDot<1>[type];
+  float o[4];
+  for (int j = 0; j < rw; ++j, w += row_bytes) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      dot4(w, K, xq, m, o);
+      for (int r = 0; r < 4; ++r) store(out + (m + r) * N + j, o[r] + b[j]);
+    }
+    for (; m < M; ++m) {
+      dot1(w, K, xq, m, o);
+      store(out + m * N + j, o[0] + b[j]);
+    }
+  }
+}
+
+// The calls' items of work (weight rows, never across a part's end) over the team in one parallel
+// region (shared_for): a thread that the server's other threads keep off its core leaves its rows
+// to the other one rather than holding up the whole step, and the small GEMMs of a MoE layer's
+// experts start the team once, not once each.
+template <typename T>
+void run_linears(const LinearCall<T>* calls, int64_t count) {
+  struct Item {
+    int64_t call, part, row;
+  };
+  thread_local std::vector<Item> items;
+  items.clear();
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t p = 0; p < calls[i].parts; ++p)
+      for (int64_t n = 0; n < calls[i].rows[p]; n += calls[i].item_rows()) items.push_back({i, p, n});
+  const Item* todo = items.data();
   shared_for(static_cast<int64_t>(items.size()), [&](int64_t item, int64_t) {
-    const auto [p, n0] = todo[item];
-    const int64_t type = types[p], row_bytes = K / block_values(type) * block_bytes(type);
-    const int rw = static_cast<int>(std::min(item_rows, rows[p] - n0));
-    const uint8_t* w = weights[p] + n0 * row_bytes;
-    T* out = y + firsts[p] + n0;
-    float b[kItemRows];
-    for (int c = 0; c < rw; ++c) b[c] = bias ? to_float(bias[firsts[p] + n0 + c]) : 0.0f;
-    if (M > kFewRows) {
-      thread_local Unpacked unpacked;
-      kTiles<T>[type](w, row_bytes, rw, K, xq, M, unpacked, b, out, N);
-      return;
-    }
-    const RowDot dot4 = kDot<4>[type], dot1 = kDot<1>[type];
-    float o[4];
-    for (int c = 0; c < rw; ++c, w += row_bytes) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        dot4(w, K, xq, m, o);
-        for (int r = 0; r < 4; ++r) store(out + (m + r) * N + c, o[r] + b[c]);
-      }
-      for (; m < M; ++m) {
-        dot1(w, K, xq, m, o);
-        store(out + m * N + c, o[0] + b[c]);
-      }
-    }
+    const Item& it = todo[item];
+    linear_item(calls[it.call], it.part, it.row);
   });
+}
+
+thread_local QuantRows t_rows;
+
+// y [M, N] = x [M, K] @ W.T (+ bias), W the concatenation of `parts` weights of rows[p] rows each.
+template <typename T>
+void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types, const uint8_t* const* weights,
+                 const int64_t* rows, const T* bias, T* y) {
+  quantize_rows(x, M, K, t_rows);  // the calling thread's
+  const LinearCall<T> call = linear_call(t_rows, M, K, parts, types, weights, rows, bias, y);
+  run_linears(&call, 1);
 }
 
 // out [n, K] = rows ids of W [*, K] dequantized (an embedding lookup).
@@ -506,12 +552,15 @@ void add_weighted(const T* y, float weight, int64_t H, T* o) {
 // their rows gathered, SiLU(gate) * up of them, down, and each result row times its weight added to
 // its token's row of `out` ([n, H], holding what the sums start from), with the loop's roundings:
 // the product rounded to T, then the sum. counts[e] += the tokens expert e got. Types and weights
-// of expert e: [3 e .. 3 e + 2] (gate, up, down).
+// of expert e: [3 e .. 3 e + 2] (gate, up, down). All the experts' gate/up GEMMs run in one parallel
+// region, and their downs in another: each output computed as gguf_linear computes it.
 template <typename T>
 void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const float* weights, int64_t E, int64_t H,
               int64_t I, const int64_t* types, const uint8_t* const* w, int64_t* counts, T* out) {
   thread_local std::vector<int64_t> starts, picks;
   thread_local std::vector<T> xs, gate_up, act, y;
+  thread_local std::vector<QuantRows> quantized;  // per expert that got tokens
+  thread_local std::vector<LinearCall<T>> calls;
   starts.assign(E + 1, 0);
   picks.resize(n * k);
   for (int64_t i = 0; i < n * k; ++i) {
@@ -523,21 +572,36 @@ void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const fl
     starts[e + 1] += starts[e];
   }
   for (int64_t i = 0, *next = starts.data(); i < n * k; ++i) picks[next[choices[i]]++] = i;  // advances starts[e]
-  const int64_t gate_up_rows[2] = {I, I};
-  for (int64_t e = 0, first = 0; e < E; first = starts[e++]) {  // starts[e] now ends expert e's picks
-    const int64_t m = starts[e] - first;
-    if (m == 0) continue;
-    const int64_t* pick = picks.data() + first;
-    xs.resize(m * H);
-    gate_up.resize(m * 2 * I);
-    act.resize(m * I);
-    y.resize(m * H);
-    for (int64_t r = 0; r < m; ++r) std::copy(x + pick[r] / k * H, x + (pick[r] / k + 1) * H, xs.data() + r * H);
-    gguf_linear<T>(xs.data(), m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr, gate_up.data());
-    silu_mul(gate_up.data(), act.data(), m, I);
-    gguf_linear<T>(act.data(), m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr, y.data());  // H rows
-    for (int64_t r = 0; r < m; ++r) add_weighted(y.data() + r * H, weights[pick[r]], H, out + pick[r] / k * H);
-  }
+  // starts[e] now ends expert e's picks (and starts e + 1's): pick j, in expert order, is row j of
+  // every buffer below.
+  const int64_t total = n * k, gate_up_rows[2] = {I, I};
+  xs.resize(total * H), gate_up.resize(total * 2 * I), act.resize(total * I), y.resize(total * H);
+  for (int64_t j = 0; j < total; ++j) std::copy(x + picks[j] / k * H, x + (picks[j] / k + 1) * H, xs.data() + j * H);
+  auto experts = [&](auto&& call) {  // call(e, first pick, picks) for each expert with tokens, ascending
+    for (int64_t e = 0, first = 0; e < E; first = starts[e++])
+      if (starts[e] > first) call(e, first, starts[e] - first);
+  };
+  int64_t a = 0;
+  experts([&](int64_t, int64_t, int64_t) { ++a; });
+  if (static_cast<int64_t>(quantized.size()) < a) quantized.resize(a);  // before the calls point into it
+  a = 0;
+  calls.clear();
+  experts([&](int64_t e, int64_t first, int64_t m) {
+    quantize_rows(xs.data() + first * H, m, H, quantized[a]);
+    calls.push_back(linear_call<T>(quantized[a++], m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr,
+                                   gate_up.data() + first * 2 * I));
+  });
+  run_linears(calls.data(), static_cast<int64_t>(calls.size()));
+  a = 0;
+  calls.clear();
+  experts([&](int64_t e, int64_t first, int64_t m) {
+    silu_mul(gate_up.data() + first * 2 * I, act.data() + first * I, m, I);
+    quantize_rows(act.data() + first * I, m, I, quantized[a]);
+    calls.push_back(linear_call<T>(quantized[a++], m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr,
+                                   y.data() + first * H));  // H rows
+  });
+  run_linears(calls.data(), static_cast<int64_t>(calls.size()));
+  for (int64_t j = 0; j < total; ++j) add_weighted(y.data() + j * H, weights[picks[j]], H, out + picks[j] / k * H);
 }
 
 }  // namespace
