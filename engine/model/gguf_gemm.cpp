@@ -546,20 +546,24 @@ void add_weighted(const T* y, float weight, int64_t H, T* o) {
   for (int64_t h = 0; h < H; ++h) store(o + h, to_float(o[h]) + to_float(p[h]));
 }
 
+// Picks a group of experts' GEMMs holds at most (or one expert's, where it has more): a group's
+// gate/up GEMMs start the team once, and its downs once; a group's buffers hold its picks only.
+constexpr int64_t kGroupPicks = 256;
+
 // A mixture of experts' layer over n tokens (engine/model/moe.py, whose loop over the experts is
 // the reference): each token's k choices (choices [n, k], experts in [0, E); weights [n, k]) sorted
 // by expert, token order kept within one; then for each expert that got tokens, in ascending order,
 // their rows gathered, SiLU(gate) * up of them, down, and each result row times its weight added to
 // its token's row of `out` ([n, H], holding what the sums start from), with the loop's roundings:
 // the product rounded to T, then the sum. counts[e] += the tokens expert e got. Types and weights
-// of expert e: [3 e .. 3 e + 2] (gate, up, down). All the experts' gate/up GEMMs run in one parallel
-// region, and their downs in another: each output computed as gguf_linear computes it.
+// of expert e: [3 e .. 3 e + 2] (gate, up, down). The experts go in groups (kGroupPicks), each
+// output computed as gguf_linear computes it.
 template <typename T>
 void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const float* weights, int64_t E, int64_t H,
               int64_t I, const int64_t* types, const uint8_t* const* w, int64_t* counts, T* out) {
   thread_local std::vector<int64_t> starts, picks;
   thread_local std::vector<T> xs, gate_up, act, y;
-  thread_local std::vector<QuantRows> quantized;  // per expert that got tokens
+  thread_local std::vector<QuantRows> quantized;  // per expert of a group
   thread_local std::vector<LinearCall<T>> calls;
   starts.assign(E + 1, 0);
   picks.resize(n * k);
@@ -572,36 +576,40 @@ void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const fl
     starts[e + 1] += starts[e];
   }
   for (int64_t i = 0, *next = starts.data(); i < n * k; ++i) picks[next[choices[i]]++] = i;  // advances starts[e]
-  // starts[e] now ends expert e's picks (and starts e + 1's): pick j, in expert order, is row j of
-  // every buffer below.
-  const int64_t total = n * k, gate_up_rows[2] = {I, I};
-  xs.resize(total * H), gate_up.resize(total * 2 * I), act.resize(total * I), y.resize(total * H);
-  for (int64_t j = 0; j < total; ++j) std::copy(x + picks[j] / k * H, x + (picks[j] / k + 1) * H, xs.data() + j * H);
-  auto experts = [&](auto&& call) {  // call(e, first pick, picks) for each expert with tokens, ascending
-    for (int64_t e = 0, first = 0; e < E; first = starts[e++])
-      if (starts[e] > first) call(e, first, starts[e] - first);
-  };
-  int64_t a = 0;
-  experts([&](int64_t, int64_t, int64_t) { ++a; });
-  if (static_cast<int64_t>(quantized.size()) < a) quantized.resize(a);  // before the calls point into it
-  a = 0;
-  calls.clear();
-  experts([&](int64_t e, int64_t first, int64_t m) {
-    quantize_rows(xs.data() + first * H, m, H, quantized[a]);
-    calls.push_back(linear_call<T>(quantized[a++], m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr,
-                                   gate_up.data() + first * 2 * I));
-  });
-  run_linears(calls.data(), static_cast<int64_t>(calls.size()));
-  a = 0;
-  calls.clear();
-  experts([&](int64_t e, int64_t first, int64_t m) {
-    silu_mul(gate_up.data() + first * 2 * I, act.data() + first * I, m, I);
-    quantize_rows(act.data() + first * I, m, I, quantized[a]);
-    calls.push_back(linear_call<T>(quantized[a++], m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr,
-                                   y.data() + first * H));  // H rows
-  });
-  run_linears(calls.data(), static_cast<int64_t>(calls.size()));
-  for (int64_t j = 0; j < total; ++j) add_weighted(y.data() + j * H, weights[picks[j]], H, out + picks[j] / k * H);
+  // starts[e] now ends expert e's picks (and starts e + 1's).
+  const int64_t gate_up_rows[2] = {I, I};
+  for (int64_t e0 = 0; e0 < E;) {
+    const int64_t first = e0 == 0 ? 0 : starts[e0 - 1];  // the group: experts e0 .. e1 - 1, picks first .. end
+    int64_t e1 = e0 + 1;
+    while (e1 < E && starts[e1] - first <= kGroupPicks) ++e1;
+    const int64_t end = starts[e1 - 1], rows = end - first;  // pick j is row j - first of the buffers
+    xs.resize(rows * H), gate_up.resize(rows * 2 * I), act.resize(rows * I), y.resize(rows * H);
+    for (int64_t j = first; j < end; ++j)
+      std::copy(x + picks[j] / k * H, x + (picks[j] / k + 1) * H, xs.data() + (j - first) * H);
+    if (static_cast<int64_t>(quantized.size()) < e1 - e0) quantized.resize(e1 - e0);  // before calls point into it
+    for (int pass = 0; pass < 2; ++pass) {  // gate/up, then down
+      calls.clear();
+      for (int64_t e = e0, at = first; e < e1; at = starts[e++]) {
+        const int64_t m = starts[e] - at, r = at - first;
+        if (m == 0) continue;
+        QuantRows& q = quantized[e - e0];
+        if (pass == 0) {
+          quantize_rows(xs.data() + r * H, m, H, q);
+          calls.push_back(linear_call<T>(q, m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr,
+                                         gate_up.data() + r * 2 * I));
+        } else {
+          silu_mul(gate_up.data() + r * 2 * I, act.data() + r * I, m, I);
+          quantize_rows(act.data() + r * I, m, I, q);
+          calls.push_back(linear_call<T>(q, m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr,
+                                         y.data() + r * H));  // H rows
+        }
+      }
+      run_linears(calls.data(), static_cast<int64_t>(calls.size()));
+    }
+    for (int64_t j = first; j < end; ++j)
+      add_weighted(y.data() + (j - first) * H, weights[picks[j]], H, out + picks[j] / k * H);
+    e0 = e1;
+  }
 }
 
 }  // namespace
