@@ -169,15 +169,15 @@ def test_a_mixed_micro_batch_runs_as_modules(llama_dir: Path, monkeypatch: pytes
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "gguf-q4_0"])
+@pytest.mark.parametrize("source", ["checkpoint", "gguf-q4_0", "gguf-q4_0-bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
 def test_moe_equals_layers(gguf_sources: dict[str, Path], tmp_path: Path, arch: str, source: str) -> None:
     """Mixtures of experts: the step calls each MoE module back whole (its router torch's), with float
-    experts (the loop over them) or Q4_0 ones (the grouped kernel)."""
+    experts (the loop over them) or Q4_0 ones (the grouped kernel), in float32 and bfloat16."""
     model = gguf_sources[arch]
-    if source == "gguf-q4_0":
+    if source.startswith("gguf-q4_0"):
         model = write_gguf(model, tmp_path / "m.gguf", Q.Q4_0)
-    runners = _runners(model)
+    runners = _runners(model, dtype="bfloat16" if source.endswith("bfloat16") else "float32")
     assert any(isinstance(layer.mlp, MoE) for r in runners for layer in r.model.model.layers.values())
     _check_equal_to_layers(runners, [9])
     _check_equal_to_layers(runners, [1, 5, 16, 30, 41, 3])
