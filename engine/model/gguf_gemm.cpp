@@ -587,25 +587,25 @@ void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const fl
     for (int64_t j = first; j < end; ++j)
       std::copy(x + picks[j] / k * H, x + (picks[j] / k + 1) * H, xs.data() + (j - first) * H);
     if (static_cast<int64_t>(quantized.size()) < e1 - e0) quantized.resize(e1 - e0);  // before calls point into it
-    for (int pass = 0; pass < 2; ++pass) {  // gate/up, then down
+    // f(e, its first row in the buffers, its rows) queues a linear of each of the group's experts with
+    // tokens; then they run, in one parallel region.
+    auto run_group = [&](auto&& f) {
       calls.clear();
-      for (int64_t e = e0, at = first; e < e1; at = starts[e++]) {
-        const int64_t m = starts[e] - at, r = at - first;
-        if (m == 0) continue;
-        QuantRows& q = quantized[e - e0];
-        if (pass == 0) {
-          quantize_rows(xs.data() + r * H, m, H, q);
-          calls.push_back(linear_call<T>(q, m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr,
-                                         gate_up.data() + r * 2 * I));
-        } else {
-          silu_mul(gate_up.data() + r * 2 * I, act.data() + r * I, m, I);
-          quantize_rows(act.data() + r * I, m, I, q);
-          calls.push_back(linear_call<T>(q, m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr,
-                                         y.data() + r * H));  // H rows
-        }
-      }
+      for (int64_t e = e0, at = first; e < e1; at = starts[e++])
+        if (starts[e] > at) f(e, at - first, starts[e] - at);
       run_linears(calls.data(), static_cast<int64_t>(calls.size()));
-    }
+    };
+    run_group([&](int64_t e, int64_t r, int64_t m) {  // gate/up
+      quantize_rows(xs.data() + r * H, m, H, quantized[e - e0]);
+      calls.push_back(linear_call<T>(quantized[e - e0], m, H, 2, types + 3 * e, w + 3 * e, gate_up_rows, nullptr,
+                                     gate_up.data() + r * 2 * I));
+    });
+    run_group([&](int64_t e, int64_t r, int64_t m) {  // down (H rows)
+      silu_mul(gate_up.data() + r * 2 * I, act.data() + r * I, m, I);
+      quantize_rows(act.data() + r * I, m, I, quantized[e - e0]);
+      calls.push_back(linear_call<T>(quantized[e - e0], m, I, 1, types + 3 * e + 2, w + 3 * e + 2, &H, nullptr,
+                                     y.data() + r * H));
+    });
     for (int64_t j = first; j < end; ++j)
       add_weighted(y.data() + (j - first) * H, weights[picks[j]], H, out + picks[j] / k * H);
     e0 = e1;
