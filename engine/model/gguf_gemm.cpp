@@ -1,8 +1,8 @@
 // GGUF's quantized block formats run as they lie in the file (engine/model/gguf_quant.py): a linear
 // y = x @ W.T + b and an embedding lookup, for W: [N, K] rows of blocks of one GGML type.
 //
-// Every type is first unpacked, one output row at a time, into what they all share: int8 values q
-// in groups of 16 with a float scale s and offset o each, w = s * q + o:
+// Every type unpacks into what they all share: int8 values q in groups of 16 with a float scale s
+// and offset o each, w = s * q + o:
 //   Q8_0  q          s = d          o = 0          (blocks of 32)
 //   Q4_0  nibble - 8 s = d          o = 0
 //   Q4_1  nibble     s = d          o = m
@@ -10,15 +10,11 @@
 //   Q4_K  nibble     s = d * sc_j   o = -dmin * m_j (super-blocks of 256: 8 sub-blocks of 32,
 //   Q5_K  5 bits     (as Q4_K)                      6-bit sc_j and m_j)
 //   Q6_K  6 bits - 32  s = d * sc_j  o = 0         (16 sub-blocks of 16, int8 sc_j)
-// The activations are rounded to int8 in blocks of 32 with a float scale, as llama.cpp rounds
-// them for its quantized dot products, and kept with their sums per 32 (for the offsets). Then
-//   y[m][n] = sum over blocks of 32: dx * (s_lo * <q, qx>_lo + s_hi * <q, qx>_hi) + o * dx * sum(qx)
-// (a block's offset is the same for both of its groups of 16).
-// The integer dot products are AVX2's u8 x s8 multiply-adds (|q| in the unsigned operand, q's
-// sign moved onto qx, where q can be negative), in 8 lanes: lanes 0-3 sum the block's first 16
-// products, 4-7 the last 16.
-// A row's result is the same whatever else is in the batch (each output one sum in a fixed order),
-// so a request's tokens do not depend on how the pipeline batched it.
+// The activations are rounded to int8 in blocks of 32 with a float scale dx, as llama.cpp rounds
+// them for its quantized dot products, and kept with their sums per 32 (for the offsets). Each
+// linear's weight rows go kLanes at a time into the lanes layout (to_lanes, below) and meet the
+// activations there in integer multiply-adds; each row's result is the same whatever else is in the
+// batch (lanes_dot's formula), so a request's tokens do not depend on how the pipeline batched it.
 
 #include "cpu_kernels.h"
 
@@ -217,10 +213,10 @@ using UnpackRow = void (*)(const uint8_t*, int64_t, int8_t*, float*, float*);
 const UnpackRow kUnpackRow[] = {unpack_row_of<Q4_0>, unpack_row_of<Q4_1>, unpack_row_of<Q5_0>, unpack_row_of<Q5_1>,
                                 unpack_row_of<Q8_0>, unpack_row_of<Q4_K>, unpack_row_of<Q5_K>, unpack_row_of<Q6_K>};
 
-// x rounded to int8 per block of 32 (scale amax / 127), with each block's sum times the scale:
-// q [K], d [K / 32], sums [K / 32].
+// x rounded to int8 per block of 32 (scale amax / 127), with each block's sum times the scale and
+// the integer sum of each 16 values: q [K], d [K / 32], sums [K / 32], isums [K / 16].
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums, int32_t* isums) {
   for (int64_t b = 0; b < K / 32; ++b) {
     float v[32], amax = 0.0f;
     for (int j = 0; j < 32; ++j) {
@@ -228,19 +224,20 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums) {
       amax = std::max(amax, std::fabs(v[j]));
     }
     const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    int sum = 0;
+    int half_sums[2] = {0, 0};
     for (int j = 0; j < 32; ++j) {
       const int r = static_cast<int>(std::nearbyint(v[j] * inv));
       q[32 * b + j] = static_cast<int8_t>(r);
-      sum += r;
+      half_sums[j / 16] += r;
     }
     d[b] = scale;
-    sums[b] = scale * static_cast<float>(sum);
+    sums[b] = scale * static_cast<float>(half_sums[0] + half_sums[1]);
+    isums[2 * b] = half_sums[0], isums[2 * b + 1] = half_sums[1];
   }
 }
 
 template <typename T>
-struct AlignedAlloc {  // 32-byte aligned storage, for the unpacked values' aligned loads
+struct AlignedAlloc {  // 32-byte aligned storage, for the lanes' aligned loads
   using value_type = T;
   AlignedAlloc() = default;
   template <typename U>
@@ -253,26 +250,91 @@ struct AlignedAlloc {  // 32-byte aligned storage, for the unpacked values' alig
 struct QuantRows {  // the activations as quantize_row leaves them, row-major
   std::vector<int8_t> q;
   std::vector<float> d, sums;
+  std::vector<int32_t> isums;
+};
+
+// Every product runs on kLanes weight rows side by side ("lanes"), as llama.cpp's repacked x86
+// kernels do: value k of row c lies at byte 32 * (k / 4) + 4 * c + k % 4, so one 32-byte load
+// holds 4 values of each row, and one broadcast of 4 activation bytes meets all 8 rows in one
+// u8 x s8 multiply-add, with no sign to move and each row's sum in its own lane. The values lie
+// there as u = q + bias(t) >= 0 (Q8_0's may be negative: its kernel moves their sign onto the
+// activations instead), and bias * (the activations' sum) comes off the integer sum.
+// Per group of values with one scale (32; Q6_K's 16) a row's integer dot product is exact, then
+//   acc = fma(float(that), s * dx, acc)   (group by group, in order)
+//   off = fma(o, dx * sum(qx), off)       (per block of 32, the types with offsets)
+//   y = acc + off
+// whatever else is in the batch: a request's tokens do not depend on how the pipeline batched it.
+constexpr int kLanes = 8;
+constexpr int64_t group_values(int64_t t) { return t == Q6_K ? 16 : 32; }
+constexpr int bias_of(int64_t t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q6_K ? 32 : 0; }
+// Steps of 4 values whose u8 x s8 pair sums add up in int16 before they widen: the most that stay
+// below 2^15 (each pair at most 2 * max u * 127; Q8_0's at most 2 * 128 * 127).
+constexpr int64_t int16_steps(int64_t t) {
+  return t == Q8_0 ? 1 : t == Q6_K ? 2 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 4 : 8;
+}
+
+// kLanes weight rows of K values as lanes: u [K / 4][32 bytes], s [K / group][kLanes], and o
+// [K / 32][kLanes] for the types with offsets.
+struct Lanes {
+  std::vector<uint8_t, AlignedAlloc<uint8_t>> u;
+  std::vector<float> s, o;
 };
 
 #if defined(__AVX2__)
-using Acc = __m256;  // a row's running sum: 8 lanes, summed at the end
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
-inline float acc_sum(Acc a) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+// v[c]'s 32-bit element k moved to v[k]'s element c.
+inline void transpose8x32(__m256i* v) {
+  __m256i t[8], h[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      h[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]);
+      h[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    }
+  // h[0..3]: elements 0, 1, 2, 3 (and 4..7 in the high halves) of rows 0-3; h[4..7] of rows 4-7.
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_permute2x128_si256(h[k], h[k + 4], 0x20);
+    v[k + 4] = _mm256_permute2x128_si256(h[k], h[k + 4], 0x31);
+  }
 }
-#else
-using Acc = float;
-inline Acc acc_zero() { return 0.0f; }
-inline float acc_sum(Acc a) { return a; }
 #endif
 
-// Block i of type t (its values q: unpacked, or with AVX2 the raw block, unpacked here 32 at a
-// time; scales s and offsets o per 16) against rows r0 .. r0 + R of the activations, added into
-// acc[r] and off[r]. Every row's sums run in the same order whatever R is and however the caller
-// keeps acc, so a row's result does not depend on its batch.
+// Rows rows[0 .. kLanes) of K values of type t, as lanes.
+template <int64_t t>
+void to_lanes(const uint8_t* const* rows, int64_t K, Lanes& lanes) {
+  constexpr int64_t V = block_values(t), G = group_values(t);
+  lanes.u.resize(kLanes * K), lanes.s.resize(kLanes * K / G);
+  if constexpr (has_offsets(t)) lanes.o.resize(kLanes * K / 32);
+  float s[V / 16], o[V / 16];
+  for (int64_t i = 0; i < K / V; ++i) {
+    const int64_t at = i * block_bytes(t);
+    for (int c = 0; c < kLanes; ++c) {
+      unpack_scales<t>(rows[c] + at, s, o);
+      for (int64_t g = 0; g < V / G; ++g) lanes.s[(i * V / G + g) * kLanes + c] = s[g * G / 16];
+      if constexpr (has_offsets(t))
+        for (int64_t g = 0; g < V / 32; ++g) lanes.o[(i * V / 32 + g) * kLanes + c] = o[2 * g];
+    }
+#if defined(__AVX2__)
+    for (int64_t j = 0; j < V / 32; ++j) {
+      __m256i v[kLanes];
+      for (int c = 0; c < kLanes; ++c)
+        v[c] = _mm256_add_epi8(values32<t>(rows[c] + at, j), _mm256_set1_epi8(static_cast<char>(bias_of(t))));
+      transpose8x32(v);
+      uint8_t* u = lanes.u.data() + (i * V + 32 * j) * kLanes;
+      for (int k = 0; k < kLanes; ++k) _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * k), v[k]);
+    }
+#else
+    int8_t q[V];
+    for (int c = 0; c < kLanes; ++c) {
+      unpack_values<t>(rows[c] + at, q);
+      for (int64_t k = 0; k < V; ++k)
+        lanes.u[(i * V + k) / 4 * 32 + 4 * c + k % 4] = static_cast<uint8_t>(q[k] + bias_of(t));
+    }
+#endif
+  }
+}
+
+// The lanes' rows against activation rows r0 .. r0 + R: out [R][kLanes] (without bias).
 #if defined(__AVX2__)
 #define PPSERVE_IN_ORDER
 #else
@@ -280,133 +342,80 @@ inline float acc_sum(Acc a) { return a; }
 // each R), or a row's result would depend on how many rows it was computed with.
 #define PPSERVE_IN_ORDER __attribute__((optimize("no-associative-math", "fp-contract=off")))
 #endif
-template <int64_t t, int R, bool raw = false>
-PPSERVE_IN_ORDER inline void block_dot(const void* q, const float* s, const float* o, int64_t i, const QuantRows& x,
-                                       int64_t r0, int64_t K, Acc* acc, float* off) {
-  constexpr int64_t V = block_values(t);
+template <int64_t t, int R>
+PPSERVE_IN_ORDER void lanes_dot(const Lanes& lanes, int64_t K, const QuantRows& x, int64_t r0, float* out) {
+  constexpr int64_t G = group_values(t);
   const int64_t blocks = K / 32;
-  for (int64_t j = 0; j < V / 32; ++j) {
-    const int64_t b = i * (V / 32) + j;  // the block of 32 along the row
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * K;
+  // A group's bias * sum(qx): the sum of its one or two 16s.
+  auto bias_sum = [&](int r, int64_t g) {
+    const int32_t* is = x.isums.data() + (r0 + r) * (K / 16) + g * (G / 16);
+    return bias_of(t) * (G == 16 ? is[0] : is[0] + is[1]);
+  };
 #if defined(__AVX2__)
-    const __m256i wv = raw ? values32<t>(static_cast<const uint8_t*>(q), j)
-                           : _mm256_load_si256(static_cast<const __m256i*>(q) + j);
-    // (q >= 0 where there are offsets: no sign to move)
-    const __m256i w_abs = has_offsets(t) ? wv : _mm256_sign_epi8(wv, wv), ones = _mm256_set1_epi16(1);
-    // Only Q6_K has two scales in a block of 32.
-    const __m256 ws = t == Q6_K ? _mm256_set_m128(_mm_set1_ps(s[2 * j + 1]), _mm_set1_ps(s[2 * j]))
-                                : _mm256_set1_ps(s[2 * j]);
-#else
-    const int8_t* qv = static_cast<const int8_t*>(q) + 32 * j;
-#endif
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* u = lanes.u.data();
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256i dot[R], pairs[R];
+    for (int r = 0; r < R; ++r) dot[r] = pairs[r] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < G / 4; ++k, u += 32) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
+      [[maybe_unused]] const __m256i w_abs = _mm256_abs_epi8(w);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq[r] + g * G + 4 * k, 4);
+        const __m256i a = _mm256_set1_epi32(four);
+        const __m256i p = t == Q8_0 ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w)) : _mm256_maddubs_epi16(w, a);
+        pairs[r] = _mm256_add_epi16(pairs[r], p);
+        if ((k + 1) % int16_steps(t) == 0)
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs[r], ones)), pairs[r] = _mm256_setzero_si256();
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(lanes.s.data() + g * kLanes);
+    const int64_t b = g * G / 32;
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = x.q.data() + (r0 + r) * K + 32 * b;
-      const float dx = x.d[(r0 + r) * blocks + b];
-#if defined(__AVX2__)
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i prod = _mm256_maddubs_epi16(w_abs, has_offsets(t) ? a : _mm256_sign_epi8(a, wv));
-      const __m256i sums = _mm256_madd_epi16(prod, ones);  // lanes 0-3: first 16; 4-7: last 16
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_set1_ps(dx)), acc[r]);
-#else
-      int lo = 0, hi = 0;
-      for (int k = 0; k < 16; ++k) lo += qv[k] * xq[k];
-      for (int k = 16; k < 32; ++k) hi += qv[k] * xq[k];
-      acc[r] += (s[2 * j] * static_cast<float>(lo) + s[2 * j + 1] * static_cast<float>(hi)) * dx;
-#endif
-      if constexpr (has_offsets(t)) off[r] = std::fma(o[2 * j], x.sums[(r0 + r) * blocks + b], off[r]);
+      if constexpr (bias_of(t) != 0) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(bias_sum(r, g)));
+      const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(x.d[(r0 + r) * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+      if constexpr (has_offsets(t))  // (groups of 32)
+        off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(lanes.o.data() + b * kLanes),
+                                 _mm256_set1_ps(x.sums[(r0 + r) * blocks + b]), off[r]);
     }
   }
-}
-
-// Rows r0 .. r0 + R against weight row `w` of type t: out[r] (without bias). Few rows (decoding):
-// their sums in registers, each block unpacked once per R rows.
-template <int64_t t, int R>
-void dot_row(const uint8_t* w, int64_t K, const QuantRows& x, int64_t r0, float* out) {
-  constexpr int64_t V = block_values(t);
-  [[maybe_unused]] alignas(32) int8_t q[V];
-  float s[V / 16], o[V / 16], off[R];
-  Acc acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = acc_zero(), off[r] = 0.0f;
-  for (int64_t i = 0; i < K / V; ++i, w += block_bytes(t)) {
-    unpack_scales<t>(w, s, o);
-#if defined(__AVX2__)
-    block_dot<t, R, true>(w, s, o, i, x, r0, K, acc, off);  // the values straight into registers
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLanes, _mm256_add_ps(acc[r], off[r]));
 #else
-    unpack_values<t>(w, q);
-    block_dot<t, R>(q, s, o, i, x, r0, K, acc, off);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kLanes; ++c) {
+      float acc = 0.0f, off = 0.0f;
+      for (int64_t g = 0; g < K / G; ++g) {
+        int dot = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+          const uint8_t v = lanes.u[k / 4 * 32 + 4 * c + k % 4];
+          dot += (t == Q8_0 ? static_cast<int8_t>(v) : v) * xq[r][k];
+        }
+        if constexpr (bias_of(t) != 0) dot -= bias_sum(r, g);
+        const int64_t b = g * G / 32;
+        acc += static_cast<float>(dot) * (lanes.s[g * kLanes + c] * x.d[(r0 + r) * blocks + b]);
+        if constexpr (has_offsets(t)) off += lanes.o[b * kLanes + c] * x.sums[(r0 + r) * blocks + b];
+      }
+      out[r * kLanes + c] = acc + off;
+    }
 #endif
-  }
-  for (int r = 0; r < R; ++r) out[r] = acc_sum(acc[r]) + off[r];
 }
 
-// Weight rows w .. w + RW (prefill sizes and large batches) against all M rows: the RW rows unpacked
-// once into q, s, o; then per RX rows of the activations, every block of the RW rows in turn, the
-// RW * RX sums in registers. The same arithmetic per row as dot_row.
-template <int64_t t, int RW, int RX>
-void dot_tile(const int8_t* q, const float* s, const float* o, int64_t K, const QuantRows& x, int64_t r0, float* out) {
-  constexpr int64_t V = block_values(t);
-  Acc acc[RW][RX];
-  float off[RW][RX];
-  for (int c = 0; c < RW; ++c)
-    for (int r = 0; r < RX; ++r) acc[c][r] = acc_zero(), off[c][r] = 0.0f;
-  for (int64_t i = 0; i < K / V; ++i)
-    for (int c = 0; c < RW; ++c)
-      block_dot<t, RX>(q + c * K + i * V, s + (c * K + i * V) / 16, o + (c * K + i * V) / 16, i, x, r0, K, acc[c],
-                       off[c]);
-  for (int c = 0; c < RW; ++c)
-    for (int r = 0; r < RX; ++r) out[c * RX + r] = acc_sum(acc[c][r]) + off[c][r];
-}
-
-// Weight rows unpacked for dot_tile: q [RW][K], s and o [RW][K / 16].
-struct Unpacked {
-  std::vector<int8_t, AlignedAlloc<int8_t>> q;
-  std::vector<float> s, o;
-};
-
-// Rows per tile: kTileW weight rows by kTileX activation rows.
-constexpr int kTileW = 4, kTileX = 2;
-
-// All M rows against weight rows n .. n + rw (rw <= kTileW) of type t: y[m][n + c] (+ bias).
-template <int64_t t, typename T>
-void tile_rows(const uint8_t* w, int64_t row_bytes, int rw, int64_t K, const QuantRows& x, int64_t M, Unpacked& u,
-               const float* bias, T* y, int64_t N) {
-  u.q.resize(kTileW * K), u.s.resize(kTileW * K / 16), u.o.resize(kTileW * K / 16);
-  for (int c = 0; c < rw; ++c)
-    unpack_row_of<t>(w + c * row_bytes, K, u.q.data() + c * K, u.s.data() + c * K / 16, u.o.data() + c * K / 16);
-  for (int c = rw; c < kTileW; ++c) {  // rows past the end: zeros, computed and dropped
-    std::fill_n(u.q.data() + c * K, K, 0), std::fill_n(u.s.data() + c * K / 16, K / 16, 0.0f);
-    std::fill_n(u.o.data() + c * K / 16, K / 16, 0.0f);
-  }
-  float out[kTileW * kTileX];
-  int64_t m = 0;
-  for (; m + kTileX <= M; m += kTileX) {
-    dot_tile<t, kTileW, kTileX>(u.q.data(), u.s.data(), u.o.data(), K, x, m, out);
-    for (int c = 0; c < rw; ++c)
-      for (int r = 0; r < kTileX; ++r) store(y + (m + r) * N + c, out[c * kTileX + r] + bias[c]);
-  }
-  for (; m < M; ++m) {
-    dot_tile<t, kTileW, 1>(u.q.data(), u.s.data(), u.o.data(), K, x, m, out);
-    for (int c = 0; c < rw; ++c) store(y + m * N + c, out[c] + bias[c]);
-  }
-}
-
-using RowDot = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, float*);
+using ToLanes = void (*)(const uint8_t* const*, int64_t, Lanes&);
+const ToLanes kToLanes[] = {to_lanes<Q4_0>, to_lanes<Q4_1>, to_lanes<Q5_0>, to_lanes<Q5_1>,
+                            to_lanes<Q8_0>, to_lanes<Q4_K>, to_lanes<Q5_K>, to_lanes<Q6_K>};
+using LanesDot = void (*)(const Lanes&, int64_t, const QuantRows&, int64_t, float*);
 template <int R>
-constexpr RowDot kDot[] = {dot_row<Q4_0, R>, dot_row<Q4_1, R>, dot_row<Q5_0, R>, dot_row<Q5_1, R>,
-                           dot_row<Q8_0, R>, dot_row<Q4_K, R>, dot_row<Q5_K, R>, dot_row<Q6_K, R>};
-template <typename T>
-using TileRows = void (*)(const uint8_t*, int64_t, int, int64_t, const QuantRows&, int64_t, Unpacked&, const float*, T*,
-                          int64_t);
-template <typename T>
-constexpr TileRows<T> kTiles[] = {tile_rows<Q4_0, T>, tile_rows<Q4_1, T>, tile_rows<Q5_0, T>, tile_rows<Q5_1, T>,
-                                  tile_rows<Q8_0, T>, tile_rows<Q4_K, T>, tile_rows<Q5_K, T>, tile_rows<Q6_K, T>};
-// Up to this many rows, each block is unpacked into registers once per 4 rows (dot_row); past it,
-// kTileW weight rows are unpacked once into memory for all the rows (tile_rows).
-constexpr int64_t kFewRows = 8;
-// Weight rows an item of work (up to kFewRows activation rows): few enough that the team's threads
-// finish together, enough that taking an item costs little beside it.
-constexpr int64_t kItemRows = 8;
+constexpr LanesDot kLanesDot[] = {lanes_dot<Q4_0, R>, lanes_dot<Q4_1, R>, lanes_dot<Q5_0, R>, lanes_dot<Q5_1, R>,
+                                  lanes_dot<Q8_0, R>, lanes_dot<Q4_K, R>, lanes_dot<Q5_K, R>, lanes_dot<Q6_K, R>};
+// Activation rows a lanes_dot call takes at once (each lane's sums the same whatever R is).
+constexpr int kRows = 4;
 constexpr int64_t kMaxParts = 8;  // weights a linear concatenates (a fused q/k/v has three)
-static_assert(kTileW <= kItemRows, "an item's biases fit kItemRows");
 
 // x [M, K] rounded to int8 per block of 32 (quantize_row) into xq, whose size follows the largest
 // batch it has held.
@@ -415,14 +424,17 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& xq) {
   xq.q.resize(M * K);
   xq.d.resize(M * K / 32);
   xq.sums.resize(M * K / 32);
+  xq.isums.resize(M * K / 16);
 #pragma omp parallel for schedule(static) if (M * K >= kParallelElements)
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 32);
+    quantize_row(x + m * K, K, xq.q.data() + m * K, xq.d.data() + m * K / 32, xq.sums.data() + m * K / 32,
+                 xq.isums.data() + m * K / 16);
   }
 }
 
 // One linear, its activations quantized: y [M, N] = x @ W.T (+ bias), W the concatenation of
-// `parts` weights of rows[p] rows each.
+// `parts` weights of rows[p] rows each. Its items of work are kLanes weight rows each, against all
+// M rows: few enough that the team's threads finish together, enough that taking one costs little.
 template <typename T>
 struct LinearCall {
   const QuantRows* x;
@@ -434,8 +446,6 @@ struct LinearCall {
   T* y;
   int64_t N;
   int64_t firsts[kMaxParts];  // each part's first output column
-  // Weight rows an item of work takes: kTileW for large batches (tile_rows), else kItemRows.
-  int64_t item_rows() const { return M > kFewRows ? kTileW : kItemRows; }
 };
 
 template <typename T>
@@ -448,41 +458,33 @@ LinearCall<T> linear_call(const QuantRows& x, int64_t M, int64_t K, int64_t part
   return c;
 }
 
-// Weight rows n0 .. n0 + item_rows (at most) of part p of call c, against all its rows.
+// Weight rows n0 .. n0 + kLanes (at most) of part p of call c, against all its rows: the rows put
+// in lanes once, then every kRows activation rows in turn.
 template <typename T>
 void linear_item(const LinearCall<T>& c, int64_t p, int64_t n0) {
   const int64_t type = c.types[p], K = c.K, M = c.M, N = c.N;
   const int64_t row_bytes = K / block_values(type) * block_bytes(type);
-  const int rw = static_cast<int>(std::min(c.item_rows(), c.rows[p] - n0));
-  const uint8_t* w = c.weights[p] + n0 * row_bytes;
+  const int rw = static_cast<int>(std::min<int64_t>(kLanes, c.rows[p] - n0));
+  const uint8_t* rows[kLanes];  // past the part's end, its last row again: computed and dropped
+  for (int j = 0; j < kLanes; ++j) rows[j] = c.weights[p] + (n0 + std::min(j, rw - 1)) * row_bytes;
+  thread_local Lanes lanes;
+  kToLanes[type](rows, K, lanes);
   const QuantRows& xq = *c.x;
   T* out = c.y + c.firsts[p] + n0;
-  float b[kItemRows];
+  float b[kLanes], o[kRows * kLanes];
   for (int j = 0; j < rw; ++j) b[j] = c.bias ? to_float(c.bias[c.firsts[p] + n0 + j]) : 0.0f;
-  if (M > kFewRows) {
-    thread_local Unpacked unpacked;
-    kTiles<T>[type](w, row_bytes, rw, K, xq, M, unpacked, b, out, N);
-    return;
-  }
-  const RowDot dot4 = kDot<4>[type], dot1 = kDot<1>[type];
-  float o[4];
-  for (int j = 0; j < rw; ++j, w += row_bytes) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      dot4(w, K, xq, m, o);
-      for (int r = 0; r < 4; ++r) store(out + (m + r) * N + j, o[r] + b[j]);
-    }
-    for (; m < M; ++m) {
-      dot1(w, K, xq, m, o);
-      store(out + m * N + j, o[0] + b[j]);
-    }
+  for (int64_t m = 0; m < M;) {
+    const int R = M - m >= kRows ? kRows : 1;
+    (R == kRows ? kLanesDot<kRows> : kLanesDot<1>)[type](lanes, K, xq, m, o);
+    for (int r = 0; r < R; ++r, ++m)
+      for (int j = 0; j < rw; ++j) store(out + m * N + j, o[r * kLanes + j] + b[j]);
   }
 }
 
-// The calls' items of work (weight rows, never across a part's end) over the team in one parallel
-// region (shared_for): a thread that the server's other threads keep off its core leaves its rows
-// to the other one rather than holding up the whole step, and the small GEMMs of a MoE layer's
-// experts start the team once, not once each.
+// The calls' items of work (never across a part's end) over the team in one parallel region
+// (shared_for): a thread that the server's other threads keep off its core leaves its rows to the
+// other one rather than holding up the whole step, and the small GEMMs of a MoE layer's experts
+// start the team once, not once each.
 template <typename T>
 void run_linears(const LinearCall<T>* calls, int64_t count) {
   struct Item {
@@ -492,7 +494,7 @@ void run_linears(const LinearCall<T>* calls, int64_t count) {
   items.clear();
   for (int64_t i = 0; i < count; ++i)
     for (int64_t p = 0; p < calls[i].parts; ++p)
-      for (int64_t n = 0; n < calls[i].rows[p]; n += calls[i].item_rows()) items.push_back({i, p, n});
+      for (int64_t n = 0; n < calls[i].rows[p]; n += kLanes) items.push_back({i, p, n});
   const Item* todo = items.data();
   shared_for(static_cast<int64_t>(items.size()), [&](int64_t item, int64_t) {
     const Item& it = todo[item];
