@@ -21,7 +21,7 @@ one library, loaded with ctypes.
   do well below the memory's speed; ppserve's reads them at memory speed, and keeps level with
   oneDNN's at prefill sizes (docs/models.md#quantized-weights). The bfloat16 one (CPUs with
   AVX-512 BF16) also spares a decode step its calls back into Python for oneDNN.
-- GGUF's quantized tensors (Q4_K, Q5_K, Q6_K, Q5_0 and the rest) as they lie in the file
+- GGUF's quantized tensors (Q4_K, Q5_K, Q6_K, Q5_0 and the rest), repacked at load
   (gguf_gemm.cpp, engine/model/gguf_quant.py): a linear and an embedding lookup, on any CPU.
 - The GEMM of weights kept as 4- or 8-bit integers (engine/model/quantized.py), with int8
   activations and integer dot products, as llama.cpp runs its quantized files; torch's own int4

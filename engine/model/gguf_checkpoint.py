@@ -165,7 +165,7 @@ def gguf_kept_quantized(model_dir: str | Path, types: Collection[str]) -> set[st
 
 def read_gguf_quantized(model_dir: str | Path, names: Iterable[str]) -> Iterator[tuple[str, GGUFWeight]]:
     """(name, weight) for the tensors `names`, kept in their quantized type: views of the mapped
-    file (copy-on-write, never written), so nothing is read until a kernel touches it; q and k of a
+    file (copy-on-write, never written), so nothing is read until the weight is packed; q and k of a
     Llama are copies, their rows put back in transformers' order."""
     info = _info(Path(model_dir))
     source = _map_source(info, copy_on_write=True)

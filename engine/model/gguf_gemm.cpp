@@ -1,4 +1,4 @@
-// GGUF's quantized block formats run as they lie in the file (engine/model/gguf_quant.py): a linear
+// GGUF's quantized block formats, kept quantized (engine/model/gguf_quant.py): a linear
 // y = x @ W.T + b and an embedding lookup, for W: [N, K] rows of blocks of one GGML type.
 //
 // Every type unpacks into what they all share: int8 values q in groups of 16 with a float scale s
@@ -12,14 +12,13 @@
 //   Q6_K  6 bits - 32  s = d * sc_j  o = 0         (16 sub-blocks of 16, int8 sc_j)
 // The activations are rounded to int8 in blocks of 32 with a float scale dx, as llama.cpp rounds
 // them for its quantized dot products, and kept with their sums per 32 (for the offsets). Each
-// linear's weight rows go kLanes at a time into the lanes layout (to_lanes, below) and meet the
-// activations there in integer multiply-adds; each row's result is the same whatever else is in the
-// batch (lanes_dot's formula), so a request's tokens do not depend on how the pipeline batched it.
+// weight is repacked once, at load, kLanes rows side by side (gguf_pack), where the activations meet
+// them in integer multiply-adds; each row's result is the same whatever else is in the batch
+// (packed_dot's formula), so a request's tokens do not depend on how the pipeline batched it.
 
 #include "cpu_kernels.h"
 
 #include <cstdlib>
-#include <new>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -174,45 +173,6 @@ void unpack_values(const uint8_t* b, int8_t* q) {
 #endif
 }
 
-// A block's scales and offsets per group of 16 values: s, o [values of the block / 16].
-template <int64_t t>
-void unpack_scales(const uint8_t* b, float* s, float* o) {
-  if constexpr (t < Q4_K) {
-    s[0] = s[1] = half(b);
-    o[0] = o[1] = (t == Q4_1 || t == Q5_1) ? half(b + 2) : 0.0f;
-  } else if constexpr (t == Q4_K || t == Q5_K) {
-    const float d = half(b), dmin = half(b + 2);
-    for (int j = 0; j < 8; ++j) {  // sub-block j of 32: groups 2j and 2j + 1
-      int sc, m;
-      scale_min_k4(j, b + 4, &sc, &m);
-      s[2 * j] = s[2 * j + 1] = d * static_cast<float>(sc);
-      o[2 * j] = o[2 * j + 1] = -(dmin * static_cast<float>(m));
-    }
-  } else {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half(b + 208);
-    for (int g = 0; g < 16; ++g) {
-      s[g] = d * static_cast<float>(sc[g]);
-      o[g] = 0.0f;
-    }
-  }
-}
-
-// One row of K values of type t: q [K], scale and offset [K / 16].
-template <int64_t t>
-void unpack_row_of(const uint8_t* b, int64_t K, int8_t* q, float* s, float* o) {
-  const int64_t v = block_values(t), n = K / v;
-  for (int64_t i = 0; i < n; ++i, b += block_bytes(t)) {
-    unpack_values<t>(b, q + i * v);
-    unpack_scales<t>(b, s + i * v / 16, o + i * v / 16);
-  }
-}
-
-using UnpackRow = void (*)(const uint8_t*, int64_t, int8_t*, float*, float*);
-// By type, so that the per-block code has no branch on it.
-const UnpackRow kUnpackRow[] = {unpack_row_of<Q4_0>, unpack_row_of<Q4_1>, unpack_row_of<Q5_0>, unpack_row_of<Q5_1>,
-                                unpack_row_of<Q8_0>, unpack_row_of<Q4_K>, unpack_row_of<Q5_K>, unpack_row_of<Q6_K>};
-
 // x rounded to int8 per block of 32 (scale amax / 127), with each block's sum times the scale and
 // the integer sum of each 16 values: q [K], d [K / 32], sums [K / 32], isums [K / 16].
 template <typename T>
@@ -236,105 +196,190 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* sums, int32
   }
 }
 
-template <typename T>
-struct AlignedAlloc {  // 32-byte aligned storage, for the lanes' aligned loads
-  using value_type = T;
-  AlignedAlloc() = default;
-  template <typename U>
-  AlignedAlloc(const AlignedAlloc<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(32))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(32)); }
-  bool operator==(const AlignedAlloc&) const { return true; }
-};
-
 struct QuantRows {  // the activations as quantize_row leaves them, row-major
   std::vector<int8_t> q;
   std::vector<float> d, sums;
   std::vector<int32_t> isums;
 };
 
-// Every product runs on kLanes weight rows side by side ("lanes"), as llama.cpp's repacked x86
-// kernels do: value k of row c lies at byte 32 * (k / 4) + 4 * c + k % 4, so one 32-byte load
-// holds 4 values of each row, and one broadcast of 4 activation bytes meets all 8 rows in one
-// u8 x s8 multiply-add, with no sign to move and each row's sum in its own lane. The values lie
-// there as u = q + bias(t) >= 0 (Q8_0's may be negative: its kernel moves their sign onto the
-// activations instead), and bias * (the activations' sum) comes off the integer sum.
+// Every product runs on kLanes weight rows side by side, as llama.cpp's repacked x86 kernels lay
+// them out: the weights are repacked once, at load (gguf_pack), into groups of kLanes rows, where
+// value k of row c is byte 4 * c + k % 4 of "step" k / 4, a 32-byte vector holding 4 values of each
+// row. One broadcast of 4 activation bytes then meets all 8 rows in one u8 x s8 multiply-add, with
+// no sign to move and each row's sum in its own lane. The values lie there as u = q + bias(t) >= 0
+// (Q8_0's may be negative: its kernel moves their sign onto the activations instead), and
+// bias * (the activations' sum) comes off the integer sum.
 // Per group of values with one scale (32; Q6_K's 16) a row's integer dot product is exact, then
 //   acc = fma(float(that), s * dx, acc)   (group by group, in order)
 //   off = fma(o, dx * sum(qx), off)       (per block of 32, the types with offsets)
 //   y = acc + off
 // whatever else is in the batch: a request's tokens do not depend on how the pipeline batched it.
+//
+// A packed group holds, per block of the type (32 or 256 values), its kLanes rows' scales, then per
+// 32 values ("chunk", 8 steps) their u: 4-bit types as 4 vectors of two steps' nibbles each (step
+// 2m low, 2m + 1 high); 5-bit ones, and a vector whose byte bit k is step k's fifth bit; Q6_K, and
+// two vectors whose byte bits 2k, 2k + 1 are step 4h + k's top two bits (h = 0, 1); Q8_0 the 8 steps.
+// Scales, per block, as float16 or bytes by row: Q4_0, Q5_0, Q8_0 d [8]; Q4_1, Q5_1 d [8], m [8];
+// Q4_K, Q5_K d [8], dmin [8], sc [8 sub-blocks][8], m [8][8]; Q6_K d [8], sc [16][8] (int8). Each
+// row's bytes are its file's size, but for K-quants' 6-bit scales taken apart (Q4_K: 148 for 144).
 constexpr int kLanes = 8;
 constexpr int64_t group_values(int64_t t) { return t == Q6_K ? 16 : 32; }
 constexpr int bias_of(int64_t t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q6_K ? 32 : 0; }
-// Steps of 4 values whose u8 x s8 pair sums add up in int16 before they widen: the most that stay
-// below 2^15 (each pair at most 2 * max u * 127; Q8_0's at most 2 * 128 * 127).
-constexpr int64_t int16_steps(int64_t t) {
-  return t == Q8_0 ? 1 : t == Q6_K ? 2 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 4 : 8;
+constexpr int value_bits(int64_t t) {
+  return t == Q8_0 ? 8 : t == Q6_K ? 6 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 5 : 4;
+}
+// Steps whose u8 x s8 pair sums add up in int16 before they widen: the most that stay below 2^15
+// (each pair at most 2 * max u * 127; Q8_0's at most 2 * 128 * 127).
+constexpr int64_t int16_steps(int64_t t) { return t == Q8_0 ? 1 : t == Q6_K ? 2 : value_bits(t) == 5 ? 4 : 8; }
+constexpr int64_t scale_bytes(int64_t t) {
+  return t == Q4_K || t == Q5_K ? 160 : t == Q6_K ? 144 : (t == Q4_1 || t == Q5_1) ? 32 : 16;
+}
+constexpr int64_t chunk_bytes(int64_t t) { return 32 * value_bits(t); }
+constexpr int64_t packed_block(int64_t t) { return scale_bytes(t) + block_values(t) / 32 * chunk_bytes(t); }
+// A packed group's bytes: kLanes rows of K values.
+int64_t packed_group(int64_t t, int64_t K) {
+  constexpr int64_t bytes[] = {packed_block(Q4_0), packed_block(Q4_1), packed_block(Q5_0), packed_block(Q5_1),
+                               packed_block(Q8_0), packed_block(Q4_K), packed_block(Q5_K), packed_block(Q6_K)};
+  return K / block_values(t) * bytes[t];
 }
 
-// kLanes weight rows of K values as lanes: u [K / 4][32 bytes], s [K / group][kLanes], and o
-// [K / 32][kLanes] for the types with offsets.
-struct Lanes {
-  std::vector<uint8_t, AlignedAlloc<uint8_t>> u;
-  std::vector<float> s, o;
-};
-
-#if defined(__AVX2__)
-// v[c]'s 32-bit element k moved to v[k]'s element c.
-inline void transpose8x32(__m256i* v) {
-  __m256i t[8], h[8];
-  for (int i = 0; i < 8; i += 2)
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-  for (int i = 0; i < 8; i += 4)
-    for (int j = 0; j < 2; ++j) {
-      h[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]);
-      h[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
-    }
-  // h[0..3]: elements 0, 1, 2, 3 (and 4..7 in the high halves) of rows 0-3; h[4..7] of rows 4-7.
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_permute2x128_si256(h[k], h[k + 4], 0x20);
-    v[k + 4] = _mm256_permute2x128_si256(h[k], h[k + 4], 0x31);
-  }
-}
-#endif
-
-// Rows rows[0 .. kLanes) of K values of type t, as lanes.
+// The scales of row c's block b (file layout) into a packed block's scales p.
 template <int64_t t>
-void to_lanes(const uint8_t* const* rows, int64_t K, Lanes& lanes) {
-  constexpr int64_t V = block_values(t), G = group_values(t);
-  lanes.u.resize(kLanes * K), lanes.s.resize(kLanes * K / G);
-  if constexpr (has_offsets(t)) lanes.o.resize(kLanes * K / 32);
-  float s[V / 16], o[V / 16];
-  for (int64_t i = 0; i < K / V; ++i) {
-    const int64_t at = i * block_bytes(t);
-    for (int c = 0; c < kLanes; ++c) {
-      unpack_scales<t>(rows[c] + at, s, o);
-      for (int64_t g = 0; g < V / G; ++g) lanes.s[(i * V / G + g) * kLanes + c] = s[g * G / 16];
-      if constexpr (has_offsets(t))
-        for (int64_t g = 0; g < V / 32; ++g) lanes.o[(i * V / 32 + g) * kLanes + c] = o[2 * g];
+void pack_scales(const uint8_t* b, int c, uint8_t* p) {
+  if constexpr (t == Q6_K) {
+    std::memcpy(p + 2 * c, b + 208, 2);
+    for (int g = 0; g < 16; ++g) p[16 + 8 * g + c] = b[192 + g];
+  } else if constexpr (t == Q4_K || t == Q5_K) {
+    std::memcpy(p + 2 * c, b, 2), std::memcpy(p + 16 + 2 * c, b + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, b + 4, &sc, &m);
+      p[32 + 8 * j + c] = static_cast<uint8_t>(sc), p[96 + 8 * j + c] = static_cast<uint8_t>(m);
     }
-#if defined(__AVX2__)
-    for (int64_t j = 0; j < V / 32; ++j) {
-      __m256i v[kLanes];
-      for (int c = 0; c < kLanes; ++c)
-        v[c] = _mm256_add_epi8(values32<t>(rows[c] + at, j), _mm256_set1_epi8(static_cast<char>(bias_of(t))));
-      transpose8x32(v);
-      uint8_t* u = lanes.u.data() + (i * V + 32 * j) * kLanes;
-      for (int k = 0; k < kLanes; ++k) _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * k), v[k]);
-    }
-#else
-    int8_t q[V];
-    for (int c = 0; c < kLanes; ++c) {
-      unpack_values<t>(rows[c] + at, q);
-      for (int64_t k = 0; k < V; ++k)
-        lanes.u[(i * V + k) / 4 * 32 + 4 * c + k % 4] = static_cast<uint8_t>(q[k] + bias_of(t));
-    }
-#endif
+  } else {
+    std::memcpy(p + 2 * c, b, 2);
+    if constexpr (t == Q4_1 || t == Q5_1) std::memcpy(p + 16 + 2 * c, b + 2, 2);
   }
 }
 
-// The lanes' rows against activation rows r0 .. r0 + R: out [R][kLanes] (without bias).
+// Row c's scale of group g and offset of chunk j in a packed block p (w = s * q + o, as at the top).
+template <int64_t t>
+float scale_of(const uint8_t* p, int64_t g, int c) {
+  if constexpr (t == Q6_K) return half(p + 2 * c) * static_cast<float>(static_cast<int8_t>(p[16 + 8 * g + c]));
+  if constexpr (t == Q4_K || t == Q5_K) return half(p + 2 * c) * static_cast<float>(p[32 + 8 * g + c]);
+  return half(p + 2 * c);
+}
+template <int64_t t>
+float offset_of(const uint8_t* p, int64_t j, int c) {
+  if constexpr (t == Q4_K || t == Q5_K) return -(half(p + 16 + 2 * c) * static_cast<float>(p[96 + 8 * j + c]));
+  return half(p + 16 + 2 * c);
+}
+
+// u of step k of a packed chunk, row c, byte e (0-3) of its 4.
+template <int64_t t>
+uint8_t chunk_u(const uint8_t* chunk, int k, int c, int e) {
+  const int at = 4 * c + e;
+  if constexpr (t == Q8_0) return chunk[32 * k + at];
+  const uint8_t low = (chunk[32 * (k / 2) + at] >> (4 * (k % 2))) & 0xf;
+  if constexpr (value_bits(t) == 5) return static_cast<uint8_t>(low | (((chunk[128 + at] >> k) & 1) << 4));
+  if constexpr (value_bits(t) == 6)
+    return static_cast<uint8_t>(low | (((chunk[128 + 32 * (k / 4) + at] >> (2 * (k % 4))) & 3) << 4));
+  return low;
+}
+
+// Rows rows[0 .. kLanes) of W [*, K] (file layout) packed into one group, out [packed_group].
+template <int64_t t>
+void pack_group(const uint8_t* const* rows, int64_t K, uint8_t* out) {
+  constexpr int64_t V = block_values(t);
+  for (int64_t i = 0; i < K / V; ++i, out += packed_block(t)) {
+    const int64_t at = i * block_bytes(t);
+    for (int c = 0; c < kLanes; ++c) pack_scales<t>(rows[c] + at, c, out);
+    int8_t q[kLanes][V];
+    for (int c = 0; c < kLanes; ++c) unpack_values<t>(rows[c] + at, q[c]);
+    for (int64_t j = 0; j < V / 32; ++j) {
+      uint8_t u[8][32];  // step k: 4 values of each row
+      for (int k = 0; k < 8; ++k)
+        for (int c = 0; c < kLanes; ++c)
+          for (int e = 0; e < 4; ++e) u[k][4 * c + e] = static_cast<uint8_t>(q[c][32 * j + 4 * k + e] + bias_of(t));
+      uint8_t* chunk = out + scale_bytes(t) + j * chunk_bytes(t);
+      std::memset(chunk, 0, chunk_bytes(t));
+      for (int k = 0; k < 8; ++k)
+        for (int b = 0; b < 32; ++b) {
+          if constexpr (t == Q8_0) {
+            chunk[32 * k + b] = u[k][b];
+            continue;
+          }
+          chunk[32 * (k / 2) + b] |= static_cast<uint8_t>((u[k][b] & 0xf) << (4 * (k % 2)));
+          if constexpr (value_bits(t) == 5) chunk[128 + b] |= static_cast<uint8_t>(((u[k][b] >> 4) & 1) << k);
+          if constexpr (value_bits(t) == 6)
+            chunk[128 + 32 * (k / 4) + b] |= static_cast<uint8_t>(((u[k][b] >> 4) & 3) << (2 * (k % 4)));
+        }
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// u of step k of a packed chunk, all 8 rows (as chunk_u).
+template <int64_t t, int k>
+inline __m256i step_u(const uint8_t* chunk) {
+  if constexpr (t == Q8_0) return load32(chunk + 32 * k);
+  const __m256i nib = load32(chunk + 32 * (k / 2)), low4 = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_and_si256(k % 2 ? _mm256_srli_epi16(nib, 4) : nib, low4);
+  if constexpr (value_bits(t) == 4) return low;
+  // the high bits' plane, its bits for this step moved to bit 4 (within each byte: masked after)
+  constexpr int from = value_bits(t) == 5 ? k : 2 * (k % 4);
+  const __m256i plane = load32(chunk + 128 + (value_bits(t) == 6 ? 32 * (k / 4) : 0));
+  const __m256i moved = from <= 4 ? _mm256_slli_epi16(plane, 4 - from) : _mm256_srli_epi16(plane, from - 4);
+  const char mask = value_bits(t) == 5 ? 0x10 : 0x30;
+  return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(mask)));
+}
+
+inline __m256 halves8(const uint8_t* p) {  // 8 float16 as float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 bytes8(const uint8_t* p, bool is_signed) {  // 8 bytes as float32
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+template <int64_t t>
+inline __m256 scale_vec(const uint8_t* p, int64_t g) {  // the 8 rows' scale_of
+  if constexpr (t == Q6_K) return _mm256_mul_ps(halves8(p), bytes8(p + 16 + 8 * g, true));
+  if constexpr (t == Q4_K || t == Q5_K) return _mm256_mul_ps(halves8(p), bytes8(p + 32 + 8 * g, false));
+  return halves8(p);
+}
+template <int64_t t>
+inline __m256 offset_vec(const uint8_t* p, int64_t j) {  // the 8 rows' offset_of
+  if constexpr (t == Q4_K || t == Q5_K) {
+    const __m256 product = _mm256_mul_ps(halves8(p + 16), bytes8(p + 96 + 8 * j, false));
+    return _mm256_xor_ps(product, _mm256_set1_ps(-0.0f));
+  }
+  return halves8(p + 16);
+}
+
+// Steps k .. end of a chunk against rows r0 .. r0 + R: dot[r] += their integer sums (u . qx). The
+// chunk packed, or (E) its steps expanded to bytes, 32 each.
+template <int64_t t, int R, bool E, int k, int end>
+inline void chunk_steps(const uint8_t* chunk, const int8_t* const* xq, __m256i* dot, __m256i* pairs) {
+  if constexpr (k < end) {
+    const __m256i w = E ? load32(chunk + 32 * k) : step_u<t, k>(chunk), ones = _mm256_set1_epi16(1);
+    [[maybe_unused]] const __m256i w_abs = _mm256_abs_epi8(w);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq[r] + 4 * k, 4);
+      const __m256i a = _mm256_set1_epi32(four);
+      const __m256i p = t == Q8_0 ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w)) : _mm256_maddubs_epi16(w, a);
+      pairs[r] = _mm256_add_epi16(pairs[r], p);
+      if constexpr ((k + 1) % int16_steps(t) == 0) {
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs[r], ones));
+        pairs[r] = _mm256_setzero_si256();
+      }
+    }
+    chunk_steps<t, R, E, k + 1, end>(chunk, xq, dot, pairs);
+  }
+}
+#endif
+
+// The packed group's rows against activation rows r0 .. r0 + R: out [R][kLanes] (without bias).
 #if defined(__AVX2__)
 #define PPSERVE_IN_ORDER
 #else
@@ -342,80 +387,147 @@ void to_lanes(const uint8_t* const* rows, int64_t K, Lanes& lanes) {
 // each R), or a row's result would depend on how many rows it was computed with.
 #define PPSERVE_IN_ORDER __attribute__((optimize("no-associative-math", "fp-contract=off")))
 #endif
-template <int64_t t, int R>
-PPSERVE_IN_ORDER void lanes_dot(const Lanes& lanes, int64_t K, const QuantRows& x, int64_t r0, float* out) {
-  constexpr int64_t G = group_values(t);
+// With E, the chunks' steps are read from `bytes` (expand_steps's), not decoded from the group.
+template <int64_t t, int R, bool E>
+PPSERVE_IN_ORDER void packed_dot(const uint8_t* group, [[maybe_unused]] const uint8_t* bytes, int64_t K,
+                                 const QuantRows& x, int64_t r0, float* out) {
+  constexpr int64_t V = block_values(t), G = group_values(t);
   const int64_t blocks = K / 32;
-  const int8_t* xq[R];
-  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * K;
-  // A group's bias * sum(qx): the sum of its one or two 16s.
-  auto bias_sum = [&](int r, int64_t g) {
-    const int32_t* is = x.isums.data() + (r0 + r) * (K / 16) + g * (G / 16);
+  // A group's bias * sum(qx): the sum of its one or two 16s (b: its block of 32 along the row).
+  auto bias_sum = [&](int r, int64_t b, int64_t half) {
+    const int32_t* is = x.isums.data() + (r0 + r) * (K / 16) + 2 * b + half;
     return bias_of(t) * (G == 16 ? is[0] : is[0] + is[1]);
   };
 #if defined(__AVX2__)
   __m256 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const uint8_t* u = lanes.u.data();
-  for (int64_t g = 0; g < K / G; ++g) {
-    __m256i dot[R], pairs[R];
-    for (int r = 0; r < R; ++r) dot[r] = pairs[r] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < G / 4; ++k, u += 32) {
-      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
-      [[maybe_unused]] const __m256i w_abs = _mm256_abs_epi8(w);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq[r] + g * G + 4 * k, 4);
-        const __m256i a = _mm256_set1_epi32(four);
-        const __m256i p = t == Q8_0 ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w)) : _mm256_maddubs_epi16(w, a);
-        pairs[r] = _mm256_add_epi16(pairs[r], p);
-        if ((k + 1) % int16_steps(t) == 0)
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs[r], ones)), pairs[r] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < K / V; ++i, group += packed_block(t)) {
+    for (int64_t j = 0; j < V / 32; ++j) {
+      const int64_t b = i * V / 32 + j;
+      const uint8_t* chunk = E ? bytes + 256 * b : group + scale_bytes(t) + j * chunk_bytes(t);
+      const int8_t* xq[R];
+      for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * K + 32 * b;
+      __m256i dot[2][R], pairs[R];
+      for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = pairs[r] = _mm256_setzero_si256();
+      if constexpr (G == 32) {
+        chunk_steps<t, R, E, 0, 8>(chunk, xq, dot[0], pairs);
+      } else {
+        chunk_steps<t, R, E, 0, 4>(chunk, xq, dot[0], pairs);
+        chunk_steps<t, R, E, 4, 8>(chunk, xq, dot[1], pairs);
       }
-    }
-    const __m256 s = _mm256_loadu_ps(lanes.s.data() + g * kLanes);
-    const int64_t b = g * G / 32;
-    for (int r = 0; r < R; ++r) {
-      if constexpr (bias_of(t) != 0) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(bias_sum(r, g)));
-      const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(x.d[(r0 + r) * blocks + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
-      if constexpr (has_offsets(t))  // (groups of 32)
-        off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(lanes.o.data() + b * kLanes),
-                                 _mm256_set1_ps(x.sums[(r0 + r) * blocks + b]), off[r]);
+      for (int64_t h = 0; h < 32 / G; ++h) {
+        const __m256 s = scale_vec<t>(group, j * (32 / G) + h);
+        for (int r = 0; r < R; ++r) {
+          if constexpr (bias_of(t) != 0) dot[h][r] = _mm256_sub_epi32(dot[h][r], _mm256_set1_epi32(bias_sum(r, b, h)));
+          const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(x.d[(r0 + r) * blocks + b]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][r]), scale, acc[r]);
+        }
+      }
+      if constexpr (has_offsets(t)) {
+        const __m256 o = offset_vec<t>(group, j);
+        for (int r = 0; r < R; ++r) off[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(x.sums[(r0 + r) * blocks + b]), off[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kLanes, _mm256_add_ps(acc[r], off[r]));
 #else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kLanes; ++c) {
-      float acc = 0.0f, off = 0.0f;
-      for (int64_t g = 0; g < K / G; ++g) {
-        int dot = 0;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-          const uint8_t v = lanes.u[k / 4 * 32 + 4 * c + k % 4];
-          dot += (t == Q8_0 ? static_cast<int8_t>(v) : v) * xq[r][k];
+  float acc[R][kLanes] = {}, off[R][kLanes] = {};
+  for (int64_t i = 0; i < K / V; ++i, group += packed_block(t))
+    for (int64_t j = 0; j < V / 32; ++j) {
+      const int64_t b = i * V / 32 + j;
+      const uint8_t* chunk = group + scale_bytes(t) + j * chunk_bytes(t);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q.data() + (r0 + r) * K + 32 * b;
+        const float dx = x.d[(r0 + r) * blocks + b];
+        for (int c = 0; c < kLanes; ++c) {
+          for (int64_t h = 0; h < 32 / G; ++h) {
+            int dot = 0;
+            for (int k = static_cast<int>(h * G / 4); k < (h + 1) * G / 4; ++k)
+              for (int e = 0; e < 4; ++e) {
+                const uint8_t v = chunk_u<t>(chunk, k, c, e);
+                dot += (t == Q8_0 ? static_cast<int8_t>(v) : v) * xq[4 * k + e];
+              }
+            if constexpr (bias_of(t) != 0) dot -= bias_sum(r, b, h);
+            acc[r][c] += static_cast<float>(dot) * (scale_of<t>(group, j * (32 / G) + h, c) * dx);
+          }
+          if constexpr (has_offsets(t)) off[r][c] += offset_of<t>(group, j, c) * x.sums[(r0 + r) * blocks + b];
         }
-        if constexpr (bias_of(t) != 0) dot -= bias_sum(r, g);
-        const int64_t b = g * G / 32;
-        acc += static_cast<float>(dot) * (lanes.s[g * kLanes + c] * x.d[(r0 + r) * blocks + b]);
-        if constexpr (has_offsets(t)) off += lanes.o[b * kLanes + c] * x.sums[(r0 + r) * blocks + b];
       }
-      out[r * kLanes + c] = acc + off;
     }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kLanes; ++c) out[r * kLanes + c] = acc[r][c] + off[r][c];
 #endif
 }
 
-using ToLanes = void (*)(const uint8_t* const*, int64_t, Lanes&);
-const ToLanes kToLanes[] = {to_lanes<Q4_0>, to_lanes<Q4_1>, to_lanes<Q5_0>, to_lanes<Q5_1>,
-                            to_lanes<Q8_0>, to_lanes<Q4_K>, to_lanes<Q5_K>, to_lanes<Q6_K>};
-using LanesDot = void (*)(const Lanes&, int64_t, const QuantRows&, int64_t, float*);
-template <int R>
-constexpr LanesDot kLanesDot[] = {lanes_dot<Q4_0, R>, lanes_dot<Q4_1, R>, lanes_dot<Q5_0, R>, lanes_dot<Q5_1, R>,
-                                  lanes_dot<Q8_0, R>, lanes_dot<Q4_K, R>, lanes_dot<Q5_K, R>, lanes_dot<Q6_K, R>};
-// Activation rows a lanes_dot call takes at once (each lane's sums the same whatever R is).
+// Row c of a packed group of W [*, K] dequantized: out [K].
+template <int64_t t, typename T>
+void packed_row(const uint8_t* group, int c, int64_t K, T* out) {
+  constexpr int64_t V = block_values(t), G = group_values(t);
+  for (int64_t i = 0; i < K / V; ++i, group += packed_block(t))
+    for (int64_t j = 0; j < V / 32; ++j) {
+      const uint8_t* chunk = group + scale_bytes(t) + j * chunk_bytes(t);
+      const float o = has_offsets(t) ? offset_of<t>(group, j, c) : 0.0f;
+      for (int k = 0; k < 8; ++k) {
+        const float s = scale_of<t>(group, j * (32 / G) + 4 * k / G, c);
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t v = chunk_u<t>(chunk, k, c, e);
+          const int q = t == Q8_0 ? static_cast<int8_t>(v) : v - bias_of(t);
+          store(out + i * V + 32 * j + 4 * k + e, s * static_cast<float>(q) + o);
+        }
+      }
+    }
+}
+
+using PackGroup = void (*)(const uint8_t* const*, int64_t, uint8_t*);
+const PackGroup kPackGroup[] = {pack_group<Q4_0>, pack_group<Q4_1>, pack_group<Q5_0>, pack_group<Q5_1>,
+                                pack_group<Q8_0>, pack_group<Q4_K>, pack_group<Q5_K>, pack_group<Q6_K>};
+using PackedDot = void (*)(const uint8_t*, const uint8_t*, int64_t, const QuantRows&, int64_t, float*);
+template <int R, bool E>
+constexpr PackedDot kPackedDot[] = {packed_dot<Q4_0, R, E>, packed_dot<Q4_1, R, E>, packed_dot<Q5_0, R, E>,
+                                    packed_dot<Q5_1, R, E>, packed_dot<Q8_0, R, E>, packed_dot<Q4_K, R, E>,
+                                    packed_dot<Q5_K, R, E>, packed_dot<Q6_K, R, E>};
+// Past this many activation rows, a group's steps are decoded once, to bytes, for all of them.
+constexpr int64_t kExpandRows = 8;
+using ExpandSteps = void (*)(const uint8_t*, int64_t, uint8_t*);
+#if defined(__AVX2__)
+template <int64_t t, int k = 0>
+inline void expand_chunk(const uint8_t* chunk, uint8_t* out) {
+  if constexpr (k < 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * k), step_u<t, k>(chunk));
+    expand_chunk<t, k + 1>(chunk, out);
+  }
+}
+// A packed group's steps as bytes: out [K / 32 chunks][8 steps][32].
+template <int64_t t>
+void expand_steps(const uint8_t* group, int64_t K, uint8_t* out) {
+  for (int64_t i = 0; i < K / block_values(t); ++i, group += packed_block(t))
+    for (int64_t j = 0; j < block_values(t) / 32; ++j, out += 256)
+      expand_chunk<t>(group + scale_bytes(t) + j * chunk_bytes(t), out);
+}
+const ExpandSteps kExpandSteps[] = {expand_steps<Q4_0>, expand_steps<Q4_1>, expand_steps<Q5_0>, expand_steps<Q5_1>,
+                                    expand_steps<Q8_0>, expand_steps<Q4_K>, expand_steps<Q5_K>, expand_steps<Q6_K>};
+#endif
+template <typename T>
+using PackedRow = void (*)(const uint8_t*, int, int64_t, T*);
+template <typename T>
+constexpr PackedRow<T> kPackedRow[] = {packed_row<Q4_0, T>, packed_row<Q4_1, T>, packed_row<Q5_0, T>,
+                                       packed_row<Q5_1, T>, packed_row<Q8_0, T>, packed_row<Q4_K, T>,
+                                       packed_row<Q5_K, T>, packed_row<Q6_K, T>};
+// Activation rows a packed_dot call takes at once (each lane's sums the same whatever R is).
 constexpr int kRows = 4;
 constexpr int64_t kMaxParts = 8;  // weights a linear concatenates (a fused q/k/v has three)
+
+// W [N, K] of type t (file layout) packed: out [ceil(N / kLanes) groups]; the last group's rows past
+// N repeat row N - 1.
+void pack(int64_t type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t row_bytes = K / block_values(type) * block_bytes(type), groups = (N + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (N * K >= kParallelElements)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* rows[kLanes];
+    for (int c = 0; c < kLanes; ++c) rows[c] = w + std::min(g * kLanes + c, N - 1) * row_bytes;
+    kPackGroup[type](rows, K, out + g * packed_group(type, K));
+  }
+}
 
 // x [M, K] rounded to int8 per block of 32 (quantize_row) into xq, whose size follows the largest
 // batch it has held.
@@ -458,24 +570,31 @@ LinearCall<T> linear_call(const QuantRows& x, int64_t M, int64_t K, int64_t part
   return c;
 }
 
-// Weight rows n0 .. n0 + kLanes (at most) of part p of call c, against all its rows: the rows put
-// in lanes once, then every kRows activation rows in turn.
+// Weight rows n0 .. n0 + kLanes (at most; n0 a multiple of kLanes) of part p of call c, against all
+// its rows, kRows at a time.
 template <typename T>
 void linear_item(const LinearCall<T>& c, int64_t p, int64_t n0) {
   const int64_t type = c.types[p], K = c.K, M = c.M, N = c.N;
-  const int64_t row_bytes = K / block_values(type) * block_bytes(type);
   const int rw = static_cast<int>(std::min<int64_t>(kLanes, c.rows[p] - n0));
-  const uint8_t* rows[kLanes];  // past the part's end, its last row again: computed and dropped
-  for (int j = 0; j < kLanes; ++j) rows[j] = c.weights[p] + (n0 + std::min(j, rw - 1)) * row_bytes;
-  thread_local Lanes lanes;
-  kToLanes[type](rows, K, lanes);
+  const uint8_t* group = c.weights[p] + n0 / kLanes * packed_group(type, K);
   const QuantRows& xq = *c.x;
   T* out = c.y + c.firsts[p] + n0;
   float b[kLanes], o[kRows * kLanes];
   for (int j = 0; j < rw; ++j) b[j] = c.bias ? to_float(c.bias[c.firsts[p] + n0 + j]) : 0.0f;
+  bool expanded = false;
+  thread_local std::vector<uint8_t> bytes;
+#if defined(__AVX2__)
+  if (M > kExpandRows) {
+    bytes.resize(8 * K);
+    kExpandSteps[type](group, K, bytes.data());
+    expanded = true;
+  }
+#endif
   for (int64_t m = 0; m < M;) {
     const int R = M - m >= kRows ? kRows : 1;
-    (R == kRows ? kLanesDot<kRows> : kLanesDot<1>)[type](lanes, K, xq, m, o);
+    const PackedDot* dots = expanded ? (R == kRows ? kPackedDot<kRows, true> : kPackedDot<1, true>)
+                                     : (R == kRows ? kPackedDot<kRows, false> : kPackedDot<1, false>);
+    dots[type](group, bytes.data(), K, xq, m, o);
     for (int r = 0; r < R; ++r, ++m)
       for (int j = 0; j < rw; ++j) store(out + m * N + j, o[r * kLanes + j] + b[j]);
   }
@@ -513,20 +632,12 @@ void gguf_linear(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t*
   run_linears(&call, 1);
 }
 
-// out [n, K] = rows ids of W [*, K] dequantized (an embedding lookup).
+// out [n, K] = rows ids of W [*, K] (packed) dequantized (an embedding lookup).
 template <typename T>
 void gguf_rows(int64_t type, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, T* out) {
-  const int64_t row_bytes = K / block_values(type) * block_bytes(type);
-#pragma omp parallel if (n * K >= kParallelElements)
-  {
-    std::vector<int8_t> q(K);
-    std::vector<float> s(K / 16), o(K / 16);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      kUnpackRow[type](w + ids[i] * row_bytes, K, q.data(), s.data(), o.data());
-      for (int64_t k = 0; k < K; ++k) store(out + i * K + k, s[k / 16] * static_cast<float>(q[k]) + o[k / 16]);
-    }
-  }
+#pragma omp parallel for schedule(static) if (n * K >= kParallelElements)
+  for (int64_t i = 0; i < n; ++i)
+    kPackedRow<T>[type](w + ids[i] / kLanes * packed_group(type, K), static_cast<int>(ids[i] % kLanes), K, out + i * K);
 }
 
 // The MLP's SiLU(gate) * up kernel (cpu_kernels.cpp), by the dtype.
@@ -617,6 +728,13 @@ void gguf_moe(const T* x, int64_t n, int64_t k, const int64_t* choices, const fl
 }  // namespace
 
 extern "C" {
+
+// W [N, K] of a GGML type (its file's blocks) packed for gguf_linear, gguf_moe and gguf_rows:
+// out [gguf_packed_bytes].
+int64_t gguf_packed_bytes(int64_t type, int64_t N, int64_t K) {
+  return (N + kLanes - 1) / kLanes * packed_group(type, K);
+}
+void gguf_pack(int64_t type, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) { pack(type, w, N, K, out); }
 
 #define PPSERVE_GGUF_KERNELS(suffix, T)                                                                          \
   void gguf_linear_##suffix(const T* x, int64_t M, int64_t K, int64_t parts, const int64_t* types,                \

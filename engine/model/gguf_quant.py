@@ -1,17 +1,18 @@
-"""GGUF's quantized tensors run as they lie in the file: linears and embeddings over raw blocks.
+"""GGUF's quantized tensors kept quantized: linears and embeddings over their blocks, repacked.
 
 The K-quant files people download (Q4_K_M, Q5_K_M) are mostly Q4_K, Q5_K and Q6_K tensors with
 some Q8_0 and Q5_0. Each GGML type packs a row of weights in blocks of 32 or 256 values with their
-own scales; dequantized to float32 a 4.5-bit file takes seven times its size. Here a tensor stays
-its file's bytes, a view of the memory-mapped file (so a stage's resident weights are the pages of
-its own tensors, and loading copies nothing), and engine/model/gguf_gemm.cpp runs it: each row is
-unpacked on the fly into int8 values with a scale and an offset per 16, the activations rounded to
-int8 in blocks of 32 (as llama.cpp computes its quantized dot products), and multiplied in integers.
+own scales; dequantized to float32 a 4.5-bit file takes seven times its size. Here a tensor is read
+as a view of the memory-mapped file (`GGUFWeight`) and repacked once, at load, into its kernel's
+layout (`PackedWeight`: eight rows side by side, the same bytes but for K-quants' 6-bit scales taken
+apart, Q4_K 148 a block for 144); the file's pages are then no longer needed. engine/model/gguf_gemm.cpp
+runs it: the activations rounded to int8 in blocks of 32 (as llama.cpp computes its quantized dot
+products) and multiplied with the weights' integers.
 
 - `GGUFLinear`: y = x @ W.T + b for W one or more tensors stacked along the output (a fused q/k/v
   whose v is Q6_K and q, k Q4_K stays three tensors of their own types; x is rounded once).
 - `GGUFEmbedding`: an embedding lookup, the looked-up rows dequantized; a tied embedding that is
-  also the LM head is one tensor, used by both.
+  also the LM head is one packed tensor, used by both.
 
 Where the kernel library is not built (no compiler, another device), the caller dequantizes
 instead (`gguf_kernels_available`). IQ types and other GGML types are always dequantized.
@@ -43,6 +44,10 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q6_K": (256, 210),
 }
 _TYPE_IDS = {name: i for i, name in enumerate(BLOCKS)}
+# A row's bytes per block once packed (gguf_gemm.cpp's packed_block / 8): the file's, but for the
+# K-quants, whose 6-bit scales and mins are taken apart into bytes.
+_PACKED_BLOCK = {**{name: nbytes for name, (_, nbytes) in BLOCKS.items()}, "Q4_K": 148, "Q5_K": 180}
+LANES = 8  # rows a packed group holds
 _PTR, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -76,6 +81,38 @@ class GGUFWeight:
         """The weight with its output rows reordered (llama.cpp's q/k permutation undone): a copy."""
         return GGUFWeight(self.type_name, self.raw[index].contiguous(), self.shape)
 
+    @functools.cached_property
+    def packed(self) -> PackedWeight:
+        """The weight in the kernels' layout (made once: the LM head and the embedding it is tied to
+        share it)."""
+        fns = _kernels()
+        assert fns is not None, "only where gguf_kernels_available()"
+        type_id, (out, inp) = _TYPE_IDS[self.type_name], self.shape
+        nbytes = fns["packed_bytes"](type_id, out, inp)
+        assert nbytes == packed_nbytes(self.type_name, self.shape)
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        fns["pack"](type_id, self.raw.data_ptr(), out, inp, data.data_ptr())
+        return PackedWeight(self.type_name, data, self.shape)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A GGUFWeight [out, in] as gguf_gemm.cpp's kernels read it: `data` uint8, groups of 8 rows."""
+
+    type_name: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def packed_nbytes(type_name: str, shape: Sequence[int]) -> int:
+    """The bytes of a [out, in] weight of `type_name` once packed (its rows rounded up to groups of 8)."""
+    out, inp = int(shape[0]), int(shape[1])
+    return -(-out // LANES) * LANES * (inp // BLOCKS[type_name][0]) * _PACKED_BLOCK[type_name]
+
 
 def from_blocks(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> GGUFWeight:
     """A tensor's bytes (uint8, e.g. a slice of the mapped file) as a GGUFWeight, without a copy."""
@@ -102,6 +139,9 @@ def _kernels() -> dict[str, Any] | None:
         moe = getattr(dll, f"gguf_moe_{suffix}")
         moe.argtypes, moe.restype = [_PTR, _INT64, _INT64, _PTR, _PTR] + [_INT64] * 3 + [_PTR] * 4, None
         fns[f"linear_{suffix}"], fns[f"rows_{suffix}"], fns[f"moe_{suffix}"] = linear, rows, moe
+    fns["packed_bytes"], fns["pack"] = dll.gguf_packed_bytes, dll.gguf_pack
+    fns["packed_bytes"].argtypes, fns["packed_bytes"].restype = [_INT64] * 3, _INT64
+    fns["pack"].argtypes, fns["pack"].restype = [_INT64, _PTR, _INT64, _INT64, _PTR], None
     return fns
 
 
@@ -118,7 +158,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         assert len({p.shape[1] for p in parts}) == 1, "parts read the same input"
         assert 1 <= len(parts) <= 8, "the kernel takes up to 8 parts"
-        self.parts = list(parts)  # their raw tensors hold the mapped file's pages
+        self.parts = [p.packed for p in parts]  # (the file's pages are not kept)
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.dtype = dtype
@@ -127,7 +167,7 @@ class GGUFLinear(nn.Module):
         # The kernel's arguments, made once (the C++ decode step reads them too): a step calls this
         # some hundred times.
         self.types = (ctypes.c_int64 * len(parts))(*(_TYPE_IDS[p.type_name] for p in parts))
-        self.weight_ptrs = (ctypes.c_void_p * len(parts))(*(p.raw.data_ptr() for p in parts))
+        self.weight_ptrs = (ctypes.c_void_p * len(parts))(*(p.data.data_ptr() for p in self.parts))
         self.part_rows = (ctypes.c_int64 * len(parts))(*(p.shape[0] for p in parts))
         self._fn = _kernel("linear", dtype)
 
@@ -151,11 +191,11 @@ class GGUFExperts:
     (engine/model/moe.py's reference) in C++."""
 
     def __init__(self, gate_ups: Sequence[GGUFLinear], downs: Sequence[GGUFLinear], dtype: torch.dtype) -> None:
-        self.keep = [*gate_ups, *downs]  # their tensors hold the pages the pointers point into
+        self.keep = [*gate_ups, *downs]  # their packed tensors hold the bytes the pointers point into
         self.hidden, self.inner = gate_ups[0].in_features, downs[0].in_features
         parts = [p for gu, down in zip(gate_ups, downs, strict=True) for p in (*gu.parts, *down.parts)]
         self.types = (ctypes.c_int64 * len(parts))(*(_TYPE_IDS[p.type_name] for p in parts))
-        self.weights = (ctypes.c_void_p * len(parts))(*(p.raw.data_ptr() for p in parts))
+        self.weights = (ctypes.c_void_p * len(parts))(*(p.data.data_ptr() for p in parts))
         self.dtype = dtype
         self._fn = _kernel("moe", dtype)
 
@@ -193,7 +233,7 @@ class GGUFEmbedding(nn.Module):
 
     def __init__(self, weight: GGUFWeight, dtype: torch.dtype) -> None:
         super().__init__()
-        self.table = weight
+        self.table = weight.packed
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
         self._fn = _kernel("rows", dtype)
@@ -206,7 +246,7 @@ class GGUFEmbedding(nn.Module):
         out = torch.empty(ids.shape[0], self.embedding_dim, dtype=self.dtype)
         t = self.table
         self._fn(
-            _TYPE_IDS[t.type_name], t.raw.data_ptr(), self.embedding_dim, ids.data_ptr(), ids.shape[0], out.data_ptr()
+            _TYPE_IDS[t.type_name], t.data.data_ptr(), self.embedding_dim, ids.data_ptr(), ids.shape[0], out.data_ptr()
         )
         return out
 

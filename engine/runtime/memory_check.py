@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ppserve.engine.model.gguf_checkpoint import is_prepared_gguf
+from ppserve.engine.model.gguf_quant import packed_nbytes
 from ppserve.engine.model.kv_cache import kv_bytes_per_block, windowed_layers
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.weights import LINEAR, QUANT_TAKERS, kept_quantized
@@ -122,10 +123,11 @@ def _weight_bytes(config: EngineConfig, stage: int) -> tuple[int, int]:
         linear = LINEAR.search(name) is not None
         src = _TIED_SOURCE if name == "lm_head.weight" and table and name not in table else name
         if src in kept and takers.search(name):
+            type_name, shape = table[src][0], table[src][1]
             size = 0 if src in shared else int(table[src][3])  # the file's blocks
             shared.add(src)
-            if blocks:  # views of the mapped file: fuse copies nothing
-                weights += size
+            if blocks:  # repacked by fuse, the file's pages then let go (a tied embedding's too)
+                weights += 0 if size == 0 else packed_nbytes(type_name, shape)
                 continue
         elif linear and config.quantization == "int8":
             size = math.ceil(numel * INT8_BYTES)

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_tiny import Tiny, write_tiny
 
 from ppserve.engine.config import EngineConfig
+from ppserve.engine.model.gguf_quant import packed_nbytes
 from ppserve.engine.model.kv_cache import kv_bytes_per_block
 from ppserve.engine.model.model_config import ConfigError
 from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
@@ -83,14 +84,15 @@ def test_int8_linears_take_about_a_byte_and_their_floats_while_loading(tiny: Pat
     assert needs.loading >= sum(4 * c - math.ceil(c * INT8_BYTES) for c in linear.values())
 
 
-def test_gguf_kept_tensors_take_their_size_in_the_file(tmp_path: Path) -> None:
+def test_gguf_kept_tensors_take_their_packed_size(tmp_path: Path) -> None:
     path = write_tiny(tmp_path / "tiny.gguf", Tiny(qtype=Q.Q8_0, hidden=64, heads=4, kv_heads=2, ffn=128))
     floats = EngineConfig.create(path, kv_cache_gb=0.01, quantization="none")
     kept = EngineConfig.create(path, kv_cache_gb=0.01)
     table = memory_check._gguf_table(Path(kept.model))
     names, takers, _ = memory_check._kept(kept, table)
     assert names, "the Q8_0 matrices are kept"
-    with_blocks = sum(int(table[n][3]) for n in table if n in names and takers.search(n))
+    with_blocks = sum(packed_nbytes(table[n][0], table[n][1]) for n in table if n in names and takers.search(n))
+    assert with_blocks >= sum(int(table[n][3]) for n in table if n in names and takers.search(n))  # the file's
     numel = {n: math.prod(entry[1]) for n, entry in table.items()}
     as_floats = sum(4 * numel[n] for n in table if not (n in names and takers.search(n)))
     assert stage_needs(floats, 0).weights == 4 * sum(numel.values())
