@@ -237,11 +237,7 @@ constexpr int64_t scale_bytes(int64_t t) {
 constexpr int64_t chunk_bytes(int64_t t) { return 32 * value_bits(t); }
 constexpr int64_t packed_block(int64_t t) { return scale_bytes(t) + block_values(t) / 32 * chunk_bytes(t); }
 // A packed group's bytes: kLanes rows of K values.
-int64_t packed_group(int64_t t, int64_t K) {
-  constexpr int64_t bytes[] = {packed_block(Q4_0), packed_block(Q4_1), packed_block(Q5_0), packed_block(Q5_1),
-                               packed_block(Q8_0), packed_block(Q4_K), packed_block(Q5_K), packed_block(Q6_K)};
-  return K / block_values(t) * bytes[t];
-}
+int64_t packed_group(int64_t t, int64_t K) { return K / block_values(t) * packed_block(t); }
 
 // The scales of row c's block b (file layout) into a packed block's scales p.
 template <int64_t t>
