@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model import cpu_kernels, huge_pages
 
 # GGML type -> (values per block, bytes per block), in gguf_gemm.cpp's enum order.
 BLOCKS: dict[str, tuple[int, int]] = {
@@ -90,7 +90,7 @@ class GGUFWeight:
         type_id, (out, inp) = _TYPE_IDS[self.type_name], self.shape
         nbytes = fns["packed_bytes"](type_id, out, inp)
         assert nbytes == packed_nbytes(self.type_name, self.shape)
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        data = huge_pages.empty(nbytes)  # (the kernels stream it at every step: 2 MB pages)
         fns["pack"](type_id, self.raw.data_ptr(), out, inp, data.data_ptr())
         return PackedWeight(self.type_name, data, self.shape)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppserve.engine.model import cpu_kernels
+from ppserve.engine.model import cpu_kernels, huge_pages
 from ppserve.engine.model.gguf_quant import GGUFLinear, GGUFWeight, gguf_kernels_available, gguf_q8_0
 from ppserve.engine.model.kernel_choice import ROWS, SAMPLE_ROWS, KernelChooser, bucket
 from ppserve.engine.model.quantized import GGUF_KEPT, QuantLinear, QuantWeight, concat, from_gguf_blocks, quantize_int8
@@ -79,8 +79,8 @@ def pack_float_lanes(weight: torch.Tensor) -> torch.Tensor:
     groups = -(-out // LANES)
     padded = F.pad(weight, (0, 0, 0, groups * LANES - out))
     if weight.dtype == torch.bfloat16:
-        return padded.view(groups, LANES, inp // 2, 2).transpose(1, 2).contiguous()
-    return padded.view(groups, LANES, inp).transpose(1, 2).contiguous()
+        return huge_pages.like(padded.view(groups, LANES, inp // 2, 2).transpose(1, 2))
+    return huge_pages.like(padded.view(groups, LANES, inp).transpose(1, 2))
 
 
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:

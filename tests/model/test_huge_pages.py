@@ -1,0 +1,59 @@
+"""Weight buffers in 2 MB pages (engine/model/huge_pages.py)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppserve.engine.model import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in kB."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_buffers_hold_what_is_written_aligned() -> None:
+    big = huge_pages.empty(3 * huge_pages.CHUNK)  # its own allocation
+    small = [huge_pages.empty(n) for n in (100, 5000, 1 << 20)]  # sharing chunks
+    assert big.numel() == 3 * huge_pages.CHUNK and big.data_ptr() % huge_pages.HUGE == 0
+    assert [t.numel() for t in small] == [100, 5000, 1 << 20]
+    assert all(t.data_ptr() % 64 == 0 and t.dtype == torch.uint8 for t in small)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in small)
+    assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans)), "buffers overlap"
+    for i, t in enumerate([big, *small]):
+        t.fill_(i + 1)
+    assert all(bool((t == i + 1).all()) for i, t in enumerate([big, *small]))
+    w = torch.randn(300, 7000)
+    copied = huge_pages.like(w.T)
+    assert copied.is_contiguous() and torch.equal(copied, w.T)
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_a_large_buffer_is_in_huge_pages() -> None:
+    t = huge_pages.empty(4 * huge_pages.HUGE)
+    t.fill_(1)  # first touch: the kernel gives 2 MB pages where it can
+    assert _huge_kb(t.data_ptr()) >= huge_pages.HUGE // 1024
+
+
+def test_switched_off_it_is_a_plain_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPSERVE_HUGE_PAGES", "0")
+    huge_pages._madvise.cache_clear()
+    try:
+        t = huge_pages.empty(3 * huge_pages.CHUNK)
+        assert t.numel() == 3 * huge_pages.CHUNK and t.storage_offset() == 0
+    finally:
+        huge_pages._madvise.cache_clear()
