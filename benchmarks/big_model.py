@@ -10,8 +10,8 @@ one stage: a quarter of the layers, memory-mapped from the file, and its KV cach
   (sampled every 0.1 s from the nodes' start: joining, loading, warming its channels), its CPU
   seconds until then; the resident memory of its processes (stage, and node process) and its
   cgroup's usage and peak, after loading and after the runs, beside the engine's own estimate
-  (engine/runtime/memory_check.py); the weights are mapped, so their pages are read by the first
-  request (`first_request_s`), not at loading;
+  (engine/runtime/memory_check.py); each stage reads its layers' tensors from the mapped file and
+  repacks them while loading, and the first request's time is recorded apart (`first_request_s`);
 - decode tokens/s of 1 and of 8 concurrent greedy streams (prefill excluded), and the same at
   PP=1 on one namespace without a cap, side by side (`*_ratio`: PP=4 over PP=1);
 - the greedy tokens of a short prompt at PP=4 against PP=1 uncapped (`greedy_equal`);
