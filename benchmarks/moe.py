@@ -1,7 +1,7 @@
 """The mixture-of-experts benchmark: ppserve against llama.cpp on a Qwen3-MoE-shaped GGUF.
 
 The model is benchmarks/make_moe_gguf.py's (24 layers, hidden 1024, 32 experts of 768, top 4: 1.9B
-parameters, 0.3B active; Q4_0, random weights), written once into the cache. Three parts:
+parameters, 0.3B active; Q4_0, random weights), written once into the cache. Four parts:
 
 - speed: benchmarks/peers.py with --gguf on the file (ppserve-pp1-gguf and llama-server-gguf,
   2 threads each, alternating rounds): batch 1 (requests one after another) and 32 streams of 192
@@ -12,8 +12,12 @@ parameters, 0.3B active; Q4_0, random weights), written once into the cache. Thr
   (the grouped kernel), and the rest (attention, norms, the head), medians of several steps.
 - vllm: whether vLLM's CPU build serves a Qwen3-MoE checkpoint at all (a small random one in
   float32, written by transformers): what it answers, or how it fails.
+- vllm-speed: the same model in float32 against vLLM's CPU build: the file dequantized by
+  transformers' GGUF loader into a Hugging Face directory (written once beside the file, 7.6 GB),
+  ppserve-pp1 and vllm on it through benchmarks/peers.py --checkpoint, as `speed` runs them.
+  Writes peers_moe_f32.json.
 
-    .venv/bin/python -m benchmarks moe                     # about 15 minutes on 2 cores
+    .venv/bin/python -m benchmarks moe                     # about 15 minutes on 2 cores, and vllm-speed
     .venv/bin/python -m benchmarks moe --parts split       # only the step's split
 
 Writes benchmarks/results/moe.json.
@@ -37,13 +41,43 @@ from benchmarks.make_moe_gguf import default_path, write
 ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks/results"
-TAG = "moe_q4_0"
+TAG, TAG_F32 = "moe_q4_0", "moe_f32"
 TARGETS = {"batch1_itl_ratio_at_most": 1.0, "burst_throughput_ratio_at_least": 1.5}
 
 
-def run_speed(model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks", "peers", "--gguf", str(model), "--tag", TAG]
-    cmd += ["--engines", "ppserve-pp1-gguf,llama-server-gguf", "--llama-parallel", str(args.streams)]
+def float_checkpoint(model: Path) -> Path:
+    """The GGUF's weights dequantized to float32, as a Hugging Face directory beside it (made once, by
+    transformers' GGUF loader: the model transformers itself would run from this file)."""
+    out = model.with_name(model.stem + "-f32")
+    if not (out / "config.json").is_file():
+        import shutil
+
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"writing {out.name} (the file dequantized to float32)", flush=True)
+        hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32)
+        # Loaded from a GGUF, the model counts as quantized and save_pretrained refuses it: its float32
+        # tensors go into a model made from its config instead (no copy), which saves them as a Hugging
+        # Face checkpoint does (experts one by one).
+        del hf.config.quantization_config
+        hf.config.architectures = ["Qwen3MoeForCausalLM"]
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)
+        plain.load_state_dict(hf.state_dict(), assign=True)
+        plain.save_pretrained(tmp)
+        del hf, plain
+        AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name).save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+def peers_cmd(source: list[str], tag: str, engines: str, args: argparse.Namespace) -> list[str]:
+    """benchmarks/peers.py on `source` (its --gguf or --checkpoint) with the benchmark's workload."""
+    cmd = [sys.executable, "-m", "benchmarks", "peers", *source, "--tag", tag]
+    cmd += ["--engines", engines, "--llama-parallel", str(args.streams)]
     cmd += ["--num-requests", str(args.streams), "--input-len", f"{args.input_len}:{args.input_len}"]
     cmd += ["--output-len", f"{args.output_len}:{args.output_len}", "--batch1-requests", str(args.batch1_requests)]
     cmd += [
@@ -54,6 +88,11 @@ def run_speed(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "--rounds",
         str(args.rounds),
     ]
+    return cmd
+
+
+def run_speed(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = peers_cmd(["--gguf", str(model)], TAG, "ppserve-pp1-gguf,llama-server-gguf", args)
     print(f"$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     path = RESULTS / f"peers_{TAG}.json"
@@ -126,6 +165,19 @@ def split(model: Path, batches: list[int], steps: int, context: int) -> dict[str
     return out
 
 
+def run_vllm_speed(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """ppserve and vLLM's CPU build on the file dequantized to float32, as `speed` runs the GGUF (no
+    target: the issue asks how the two compare, or what vLLM does instead)."""
+    cmd = peers_cmd(["--checkpoint", str(float_checkpoint(model))], TAG_F32, "ppserve-pp1,vllm", args)
+    print(f"$ {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    path = RESULTS / f"peers_{TAG_F32}.json"
+    peers = read_result(path)
+    out = speed({**peers, "_path": str(path)})
+    out["ratios"], out["skipped"] = peers["ratios"], peers["skipped"]  # (speed's are against llama-server)
+    return out
+
+
 def vllm_check(args: argparse.Namespace) -> dict[str, Any]:
     """Whether vLLM's CPU build (the peers' venv) serves a small Qwen3-MoE checkpoint: a few greedy tokens."""
     from ppserve.engine.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
@@ -159,7 +211,8 @@ def vllm_check(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["speed", "split", "vllm"], choices=["speed", "split", "vllm"])
+    parts = ["speed", "split", "vllm", "vllm-speed"]
+    p.add_argument("--parts", nargs="+", default=parts, choices=parts)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--input-len", type=int, default=192)
     p.add_argument("--output-len", type=int, default=96)
@@ -175,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         write(model)
     report: dict[str, Any] = {"benchmark": "moe", "file": model.name, "targets": TARGETS}
     previous = read_result(args.out) if Path(args.out).is_file() else {}
-    for part in ("speed", "split", "vllm"):
+    for part in parts:
         if part not in args.parts and part in previous:
             report[part] = previous[part]  # kept from the last run, which recorded its own commit there
     if "split" in args.parts:
@@ -191,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             b1, burst = e["batch1_itl_ms_p50"], e["burst_output_tok_s"]
             print(f"  {engine}: batch 1 {b1:.1f} ms/token, {args.streams} streams {burst:.1f} tok/s")
         print(f"  targets: {report['speed']['targets']}")
+    if "vllm-speed" in args.parts:
+        report["vllm-speed"] = run_vllm_speed(model, args)
+        for engine, e in report["vllm-speed"]["engines"].items():
+            b1, burst = e["batch1_itl_ms_p50"], e["burst_output_tok_s"]
+            print(f"  float32, {engine}: batch 1 {b1:.1f} ms/token, {args.streams} streams {burst:.1f} tok/s")
     report["machine"] = {"loadavg_at_end": os.getloadavg()}
     write_result(args.out, report, args)
     return 0

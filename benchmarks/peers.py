@@ -8,8 +8,8 @@ engine) and batch 1 (one request at a time, each request sent to every engine in
 timing, a greedy check compares the token ids each engine generates for the same prompts
 (temperature 0).
 
-Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape's float checkpoint
-(llama-server on its GGUF conversion); llama-server-fa-off is llama-server with flash attention
+Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape's float checkpoint,
+or --checkpoint DIR's (llama-server on its GGUF conversion); llama-server-fa-off is llama-server with flash attention
 off (`-fa off`; the others keep llama.cpp's default, auto). With --shape smollm2 only, the demo
 model's original Q4_1 GGUF computed quantized: llama-server-q4_1 (and -fa-off), ppserve-pp1-q4_1
 and ppserve-pp2-q4_1 (`--quantization auto`: int4 weights in groups of 32); these are compared
@@ -293,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated, of {engines}; or all")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--gguf", default=None, help="the GGUF file the -gguf engines serve as it is")
+    p.add_argument("--checkpoint", default=None, help="the float engines' checkpoint directory, not --shape's")
     p.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots (-np), 1024 tokens each")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-requests", type=int, default=64, help="burst: requests sent at once")
@@ -322,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{', '.join(q4)} run the demo model's own GGUF: they need --shape {SMOLLM2}")
     if (files := [e for e in args.engines if weights(e) == "gguf"]) and not args.gguf:
         p.error(f"{', '.join(files)} serve a GGUF file: they need --gguf FILE")
+    if args.checkpoint and not (Path(args.checkpoint).expanduser() / "config.json").is_file():
+        p.error(f"--checkpoint {args.checkpoint}: no config.json there")
     if args.gguf and not Path(args.gguf).expanduser().is_file():
         p.error(f"--gguf {args.gguf}: no such file")
     args.gguf = str(Path(args.gguf).expanduser().resolve()) if args.gguf else None
@@ -355,7 +358,10 @@ def measure(argv: list[str] | None) -> None:
     t0 = time.monotonic()
     # Only --gguf's engines: no float checkpoint; the file's prepared directory has its config.
     only_gguf = all(weights(e) == "gguf" for e in args.engines)
-    model_dir = prepare_gguf(args.gguf) if only_gguf else checkpoint(args.shape)
+    if only_gguf:
+        model_dir = prepare_gguf(args.gguf)
+    else:
+        model_dir = Path(args.checkpoint).expanduser().resolve() if args.checkpoint else checkpoint(args.shape)
     skipped = set_up(args.engines)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     burst = bs.make_workload(args.num_requests, args.input_len, args.output_len, math.inf, vocab, args.seed)
@@ -390,7 +396,7 @@ def measure(argv: list[str] | None) -> None:
     report = {
         "benchmark": "peers",
         "model_dir": shown(model_dir),
-        "model_shape": f"the GGUF file {Path(args.gguf).name}" if only_gguf else SHAPES[args.shape],
+        "model_shape": f"the GGUF file {Path(args.gguf).name}" if only_gguf else shape_of(args),
         "gguf": {"file": Path(args.gguf).name, "sha256": file_sha256(args.gguf)} if only_gguf else None,
         **environment(),
         "engine_env": {s.name: s.env for s in servers},
@@ -404,6 +410,11 @@ def measure(argv: list[str] | None) -> None:
     write_report(report, args)
 
 
+def shape_of(args: argparse.Namespace) -> str:
+    """What the float engines serve: --checkpoint's directory, or --shape's."""
+    return f"the checkpoint {Path(args.checkpoint).name}" if args.checkpoint else SHAPES[args.shape]
+
+
 def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -411,7 +422,7 @@ def write_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     write_result(out_dir / f"{stem}.json", report, args)  # NaN -> null
     lens = "{}:{} in, {}:{} out".format(*args.input_len, *args.output_len)
     n1, o1 = args.batch1_len, args.batch1_output_len or args.batch1_len
-    model = Path(args.gguf).name if report["gguf"] else f"{args.shape} shape"
+    model = Path(args.gguf).name if report["gguf"] else shape_of(args)
     title = f"{model}, {args.dtype}: burst of {args.num_requests} ({lens}); batch 1: {n1} in, {o1} out"
     plot(report["engines"], out_dir / f"{stem}.png", title)
     w, wp = max(map(len, report["engines"])) + 1, max(map(len, report["ratios"]), default=0) + 2
