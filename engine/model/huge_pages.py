@@ -5,15 +5,14 @@ page of a weight costs the core's page walker a TLB miss: on a 2-core EPYC, Gemm
 LM head at one row took 8.6 ms from 4 KB pages and 7.6 ms from 2 MB ones, side by side. Most
 machines leave transparent huge pages to `madvise` (/sys/kernel/mm/transparent_hugepage/enabled),
 so a buffer gets them only if it asks before its pages are first touched: `empty` asks, then the
-caller fills it. Where the kernel says no (another OS, huge pages off), the buffer has 4 KB pages
-and nothing else changes; PPSERVE_HUGE_PAGES=0 asks for none.
+caller fills it. Where the kernel says no (another OS, huge pages off or none free), the buffer
+has 4 KB pages and nothing else changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 import threading
 from typing import Any
@@ -30,7 +29,7 @@ _MADV_HUGEPAGE = 14
 
 @functools.cache
 def _madvise() -> Any:
-    if not sys.platform.startswith("linux") or os.environ.get("PPSERVE_HUGE_PAGES") == "0":
+    if not sys.platform.startswith("linux"):
         return None
     fn = ctypes.CDLL(None, use_errno=True).madvise
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
