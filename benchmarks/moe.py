@@ -18,7 +18,7 @@ parameters, 0.3B active; Q4_0, random weights), written once into the cache. Fou
   engine at a time (two copies of the float32 weights do not fit in memory at once). Writes
   peers_moe_f32_ppserve.json and peers_moe_f32_vllm.json.
 
-    .venv/bin/python -m benchmarks moe                     # about 15 minutes on 2 cores, and vllm-speed
+    .venv/bin/python -m benchmarks moe                     # about 25 minutes on 2 cores
     .venv/bin/python -m benchmarks moe --parts split       # only the step's split
 
 Writes benchmarks/results/moe.json.
