@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 HUGE = 2 << 20
-# Smaller buffers share chunks of this size (a model's per-layer weights are a few MB each); a chunk's
-# pages beyond what it has handed out are never touched, so never resident.
+# Smaller buffers share chunks of this size (a model's per-layer weights are a few MB each); of a
+# chunk, only the 2 MB pages that hold what it has handed out become resident.
 CHUNK = 16 * HUGE
 _ALIGN = 64
 _MADV_HUGEPAGE = 14
