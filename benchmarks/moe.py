@@ -64,7 +64,7 @@ def float_checkpoint(model: Path) -> Path:
         # tensors go into a model made from its config instead (no copy), which saves them as a Hugging
         # Face checkpoint does (experts one by one).
         del hf.config.quantization_config
-        hf.config.architectures = ["Qwen3MoeForCausalLM"]
+        hf.config.architectures = [type(hf).__name__]
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)
         plain.load_state_dict(hf.state_dict(), assign=True)
@@ -173,11 +173,11 @@ def run_vllm_speed(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     one after the other (so not side by side)."""
     ckpt = float_checkpoint(model)
     out: dict[str, Any] = {"engines": {}, "skipped": {}, "runs": {}}
-    for engine in ("ppserve-pp1", "vllm"):
-        cmd = peers_cmd(["--checkpoint", str(ckpt)], f"{TAG_F32}_{engine.split('-')[0]}", engine, args)
+    for engine, tag in (("ppserve-pp1", f"{TAG_F32}_ppserve"), ("vllm", f"{TAG_F32}_vllm")):
+        cmd = peers_cmd(["--checkpoint", str(ckpt)], tag, engine, args)
         print(f"$ {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
-        path = RESULTS / f"peers_{TAG_F32}_{engine.split('-')[0]}.json"
+        path = RESULTS / f"peers_{tag}.json"
         peers = read_result(path)
         out["engines"] |= speed({**peers, "_path": str(path)})["engines"]
         out["skipped"] |= peers["skipped"]

@@ -9,8 +9,8 @@ timing, a greedy check compares the token ids each engine generates for the same
 (temperature 0).
 
 Engines: ppserve-pp1, ppserve-pp2, vllm, vllm-pp2 and llama-server on the shape's float checkpoint,
-or --checkpoint DIR's (llama-server on its GGUF conversion); llama-server-fa-off is llama-server with flash attention
-off (`-fa off`; the others keep llama.cpp's default, auto). With --shape smollm2 only, the demo
+or --checkpoint DIR's (llama-server on its GGUF conversion); llama-server-fa-off is llama-server
+with flash attention off (`-fa off`; the others keep llama.cpp's default, auto). With --shape smollm2 only, the demo
 model's original Q4_1 GGUF computed quantized: llama-server-q4_1 (and -fa-off), ppserve-pp1-q4_1
 and ppserve-pp2-q4_1 (`--quantization auto`: int4 weights in groups of 32); these are compared
 with each other, and their greedy ids with the float engines' only for the record. With --gguf FILE,

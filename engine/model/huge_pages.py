@@ -53,7 +53,7 @@ _used = 0  # its bytes handed out
 def empty(nbytes: int) -> torch.Tensor:
     """An uninitialized uint8 CPU tensor of `nbytes` (64-byte aligned), in 2 MB pages where the OS
     grants them: its own allocation, or from a chunk shared with other small buffers (the chunk is
-    freed with the last of them)."""
+    freed with the last of them, once a newer chunk has taken its place here)."""
     global _chunk, _used
     if _madvise() is None:
         return torch.empty(nbytes, dtype=torch.uint8)
