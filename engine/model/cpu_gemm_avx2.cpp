@@ -21,21 +21,28 @@ using namespace ppserve;
 constexpr int64_t kFLanes = 32;
 constexpr int kFRows = 6;
 constexpr int64_t kFChunk = 256;
+// Prefetching. A chunk's first pass over a group is the one that brings the group's weights from
+// memory (the later passes find them in L2); it runs slower than memory only by its arithmetic, and
+// the hardware prefetcher alone left it waiting on memory (Zen 3: decoding 32 rows from weights in
+// memory took 1.3x as long as from weights in cache). So that pass prefetches its own lines kAhead
+// k ahead (12 KB; at a group's end, the start of the next group, which follows it in memory): 12%
+// less time at 32 rows, 13-20% at 4 and 8, no change at 256 (Zen 3). Not the one-row pass, which
+// streams at memory speed and which prefetching made 9% slower.
+constexpr int64_t kAhead = 96;
 
 // Rows x[0, R) against `V` registers of the group from lane 8 * first: out[V * i + j] = the rows'
 // sums for lanes 8 * (first + j) .. + 7.
 template <int R, int V>
-[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, const float* next,
-                                               int first, __m256* out) {
+[[gnu::always_inline]] inline void float_group(const float* x, int64_t K, const float* w, bool fetch, int first,
+                                               __m256* out) {
   __m256 acc[V * R];
 #pragma GCC unroll 24
   for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
   w += 8 * first;
-  if (next != nullptr) next += 8 * first;
   for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr)
+    if (fetch)
 #pragma GCC unroll 4
-      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + k * kFLanes + 8 * j), _MM_HINT_T1);
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * kFLanes + 8 * j), _MM_HINT_T0);
     __m256 wj[V];
 #pragma GCC unroll 4
     for (int j = 0; j < V; ++j) wj[j] = _mm256_loadu_ps(w + k * kFLanes + 8 * j);
@@ -51,25 +58,25 @@ template <int R, int V>
 }
 
 template <int R>
-[[gnu::always_inline]] inline void half_rows(int rows, const float* x, int64_t K, const float* w, const float* next,
-                                             int first, __m256* acc) {
+[[gnu::always_inline]] inline void half_rows(int rows, const float* x, int64_t K, const float* w, bool fetch, int first,
+                                             __m256* acc) {
   if constexpr (R == 1) {
-    float_group<1, 2>(x, K, w, next, first, acc);
+    float_group<1, 2>(x, K, w, fetch, first, acc);
   } else if (rows == R) {
-    float_group<R, 2>(x, K, w, next, first, acc);
+    float_group<R, 2>(x, K, w, fetch, first, acc);
   } else {
-    half_rows<R - 1>(rows, x, K, w, next, first, acc);
+    half_rows<R - 1>(rows, x, K, w, fetch, first, acc);
   }
 }
 
 // One pass over the group's weights (`half` -1: all 32 lanes, one row; else lanes 16 * half .. + 15),
 // a call of its own (float_pass's reason above, in the AVX-512 build).
-[[gnu::noinline]] void float_pass(int rows, const float* x, int64_t K, const float* w, const float* next, int half,
+[[gnu::noinline]] void float_pass(int rows, const float* x, int64_t K, const float* w, bool fetch, int half,
                                   __m256* acc) {
   if (half < 0) {
-    float_group<1, 4>(x, K, w, next, 0, acc);
+    float_group<1, 4>(x, K, w, fetch, 0, acc);
   } else {
-    half_rows<kFRows>(rows, x, K, w, next, 2 * half, acc);
+    half_rows<kFRows>(rows, x, K, w, fetch, 2 * half, acc);
   }
 }
 
@@ -83,7 +90,7 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
   const int64_t groups = (N + kFLanes - 1) / kFLanes;
   for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
     const int64_t c1 = std::min(M, c0 + kFChunk);
-    shared_for(groups, [&](int64_t g, int64_t after) {
+    shared_for(groups, [&](int64_t g, int64_t) {
       const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
       const float* wg = w + g * K * kFLanes;
       __m256i masks[4];
@@ -94,18 +101,14 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
       }
       for (int64_t r0 = c0; r0 < c1; r0 += kFRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kFRows, c1 - r0));
-        // As AVX-512's, but never for one row: that pass streams the group at memory speed, which the
-        // hardware prefetcher sustains alone; prefetching the next group beside it cost a whole
-        // SmolLM2 step 9% on Zen 3 (and helps from two rows on, where a pass is slower than memory).
-        const bool fetch_next = c1 - c0 > 1 && (r0 == c0 + kFRows || c1 - c0 <= kFRows) && after >= 0;
-        const float* next = fetch_next ? w + after * K * kFLanes : nullptr;
+        const bool fetch = r0 == c0 && c1 > c0 + 1;  // the chunk's first pass (see kAhead)
         __m256 v[4 * kFRows];  // row i's lanes 8j .. 8j + 7 at 4i + j, bias added
         if (rows == 1) {
-          float_pass(1, x + r0 * K, K, wg, next, -1, v);
+          float_pass(1, x + r0 * K, K, wg, fetch, -1, v);
         } else {
           for (int half = 0; half < 2; ++half) {
             __m256 acc[2 * kFRows];
-            float_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            float_pass(rows, x + r0 * K, K, wg, fetch, half, acc);
             for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
           }
         }
@@ -137,18 +140,17 @@ void float_gemm(const float* x, const float* w, const float* bias, float* y, int
 // row's result does not depend on its batch (it need not equal the AVX-512 BF16 build's, whose
 // dot products add a pair's two products first).
 template <int R, int V>
-[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
-                                              int first, __m256* out) {
+[[gnu::always_inline]] inline void bf16_group(const uint16_t* x, int64_t K, const uint32_t* w, bool fetch, int first,
+                                              __m256* out) {
   __m256 acc[V * R];
 #pragma GCC unroll 16
   for (int i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
   w += 8 * first;
-  if (next != nullptr) next += 8 * first;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t p = 0; p < K / 2; ++p) {
-    if (next != nullptr)
+    if (fetch)
 #pragma GCC unroll 4
-      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(next + p * kFLanes + 8 * j), _MM_HINT_T1);
+      for (int j = 0; j < V; j += 2) _mm_prefetch(reinterpret_cast<const char*>(w + (p + kAhead) * kFLanes + 8 * j), _MM_HINT_T0);
     __m256 even[V], odd[V];
 #pragma GCC unroll 4
     for (int j = 0; j < V; ++j) {
@@ -171,22 +173,22 @@ constexpr int kBRows = 4;  // rows a half-group pass: 8 accumulators, 4 widened 
 
 template <int R>
 [[gnu::always_inline]] inline void bf16_half_rows(int rows, const uint16_t* x, int64_t K, const uint32_t* w,
-                                                  const uint32_t* next, int first, __m256* acc) {
+                                                  bool fetch, int first, __m256* acc) {
   if constexpr (R == 1) {
-    bf16_group<1, 2>(x, K, w, next, first, acc);
+    bf16_group<1, 2>(x, K, w, fetch, first, acc);
   } else if (rows == R) {
-    bf16_group<R, 2>(x, K, w, next, first, acc);
+    bf16_group<R, 2>(x, K, w, fetch, first, acc);
   } else {
-    bf16_half_rows<R - 1>(rows, x, K, w, next, first, acc);
+    bf16_half_rows<R - 1>(rows, x, K, w, fetch, first, acc);
   }
 }
 
-[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, const uint32_t* next,
-                                 int half, __m256* acc) {
+[[gnu::noinline]] void bf16_pass(int rows, const uint16_t* x, int64_t K, const uint32_t* w, bool fetch, int half,
+                                 __m256* acc) {
   if (half < 0) {
-    bf16_group<1, 4>(x, K, w, next, 0, acc);
+    bf16_group<1, 4>(x, K, w, fetch, 0, acc);
   } else {
-    bf16_half_rows<kBRows>(rows, x, K, w, next, 2 * half, acc);
+    bf16_half_rows<kBRows>(rows, x, K, w, fetch, 2 * half, acc);
   }
 }
 
@@ -196,22 +198,21 @@ void bf16_gemm(const uint16_t* x, const uint32_t* w, const uint16_t* bias, uint1
   const int64_t groups = (N + kFLanes - 1) / kFLanes;
   for (int64_t c0 = 0; c0 < M; c0 += kFChunk) {
     const int64_t c1 = std::min(M, c0 + kFChunk);
-    shared_for(groups, [&](int64_t g, int64_t after) {
+    shared_for(groups, [&](int64_t g, int64_t) {
       const int64_t n0 = g * kFLanes, lanes = std::min(kFLanes, N - n0);
       const uint32_t* wg = w + g * (K / 2) * kFLanes;
       float b[kFLanes] = {};
       for (int64_t l = 0; l < lanes && bias != nullptr; ++l) b[l] = to_float(bias[n0 + l]);
       for (int64_t r0 = c0; r0 < c1; r0 += kBRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBRows, c1 - r0));
-        const bool fetch_next = c1 - c0 > 1 && (r0 == c0 + kBRows || c1 - c0 <= kBRows) && after >= 0;  // as above
-        const uint32_t* next = fetch_next ? w + after * (K / 2) * kFLanes : nullptr;
+        const bool fetch = r0 == c0 && c1 > c0 + 1;  // as float_gemm's
         __m256 v[4 * kBRows];  // row i's lanes 8j .. 8j + 7 at 4i + j
         if (rows == 1) {
-          bf16_pass(1, x + r0 * K, K, wg, next, -1, v);
+          bf16_pass(1, x + r0 * K, K, wg, fetch, -1, v);
         } else {
           for (int half = 0; half < 2; ++half) {
             __m256 acc[2 * kBRows];
-            bf16_pass(rows, x + r0 * K, K, wg, next, half, acc);
+            bf16_pass(rows, x + r0 * K, K, wg, fetch, half, acc);
             for (int i = 0; i < rows; ++i) v[4 * i + 2 * half] = acc[2 * i], v[4 * i + 2 * half + 1] = acc[2 * i + 1];
           }
         }
