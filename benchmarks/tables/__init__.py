@@ -28,8 +28,11 @@ from typing import Any
 from benchmarks.tables.format import Result, bold, markdown, num, thousands, us_or_ms
 from benchmarks.tables.models import table_big_model, table_big_model_speed, table_gguf_load
 from benchmarks.tables.peers import (
-    TARGET_SOURCES,
+    AVX2_COLUMNS,
+    TARGET_COLUMNS,
+    sources,
     table_ab_throughput,
+    table_peers_avx2,
     table_peers_quantized,
     table_peers_smollm2,
     table_peers_targets,
@@ -407,7 +410,8 @@ TABLES: dict[str, Table] = {
     "quant_perplexity": Table(("quant_perplexity.json",), table_quant_perplexity),
     "peers_smollm2": Table(("peers_smollm2.json", "peers_smollm2_q4_1.json"), table_peers_smollm2),
     "peers_quantized": Table(("peers_smollm2_q4_1.json",), table_peers_quantized),
-    "peers_targets": Table(TARGET_SOURCES, table_peers_targets),
+    "peers_targets": Table(sources(TARGET_COLUMNS), table_peers_targets),
+    "peers_avx2": Table(sources(AVX2_COLUMNS), table_peers_avx2),
     "profile_step": Table(
         (
             "profile_step_small_plain.json",

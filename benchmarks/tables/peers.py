@@ -98,10 +98,58 @@ def table_peers_quantized(results: Sequence[Result]) -> list[str]:
     return markdown(header, rows)
 
 
-# Columns of the targets table: a label, and the peers JSONs of one shape and dtype (later files add
+# Columns of a targets table: a label, and the peers JSONs of one shape and dtype (later files add
 # engines: the Q4_1 engines run apart from the float ones, as ten servers at once do not fit in
 # memory). benchmarks/peers.py writes them with --tag smollm2, smollm2_q4_1, smollm2_bf16, small, ...
-TARGET_COLUMNS = {
+Columns = dict[str, tuple[str, ...]]
+# A row: its label, ppserve's engine, the peer's, the figure, and the ratio ours / peer the target
+# allows (at most, for a figure where lower is better; else at least).
+TargetRow = tuple[str, str, str, str, float]
+
+
+def sources(columns: Columns) -> tuple[str, ...]:
+    return tuple(name for names in columns.values() for name in names)
+
+
+def targets_table(columns: Columns, rows: Sequence[TargetRow]) -> Callable[[Sequence[Result]], list[str]]:
+    """Ratios ppserve / peer, one column per shape and dtype; bold where the target is met, "—"
+    where the column's runs have no such engine. llama-server is taken at its better flags (flash
+    attention on or off) for each figure."""
+
+    def render(results: Sequence[Result]) -> list[str]:
+        found: list[dict[str, dict[str, float]]] = []  # each column's engines, from its JSONs in turn
+        it = iter(results)
+        for names in columns.values():
+            engines: dict[str, dict[str, float]] = {}
+            for _ in names:
+                engines.update(next(it)["engines"])
+            found.append(engines)
+
+        def value(engines: dict[str, dict[str, float]], engine: str, key: str) -> float | None:
+            if engine == "llama-server" or engine == "llama-server-q4_1":  # the better of its flags
+                lower = key in LOWER_IS_BETTER
+                seen = [e[key] for n, e in engines.items() if n in (engine, f"{engine}-fa-off")]
+                return (min(seen) if lower else max(seen)) if seen else None
+            e = engines.get(engine)
+            return None if e is None else float(e[key])
+
+        def row(label: str, ours: str, peer: str, key: str, limit: float) -> list[str]:
+            cells = [label]
+            for engines in found:
+                a, b = value(engines, ours, key), value(engines, peer, key)
+                if a is None or b is None:
+                    cells.append("—")
+                    continue
+                met = a / b <= limit if key in LOWER_IS_BETTER else a / b >= limit
+                cells.append(bold(num(a / b, 2), met))
+            return cells
+
+        return markdown(["target", *columns], [row(*r) for r in rows])
+
+    return render
+
+
+TARGET_COLUMNS: Columns = {
     "SmolLM2-135M, float32": ("peers_smollm2.json", "peers_smollm2_q4_1.json"),
     "SmolLM2-135M, bfloat16": ("peers_smollm2_bf16.json",),
     "small, float32": ("peers_small.json",),
@@ -109,56 +157,49 @@ TARGET_COLUMNS = {
     "0.5B shape, float32": ("peers_realistic.json",),
     "0.5B shape, bfloat16": ("peers_realistic_bf16.json",),
 }
-TARGET_SOURCES = tuple(name for names in TARGET_COLUMNS.values() for name in names)
-
-
-def table_peers_targets(results: Sequence[Result]) -> list[str]:
-    """Ratios ppserve / peer, one column per peers run of TARGET_COLUMNS; bold where the target is
-    met, "—" where the run has no such engine. llama-server is taken at its better flags (flash
-    attention on or off) for each figure."""
-
-    columns: list[dict[str, dict[str, float]]] = []  # each column's engines, from its JSONs in turn
-    it = iter(results)
-    for names in TARGET_COLUMNS.values():
-        engines: dict[str, dict[str, float]] = {}
-        for _ in names:
-            engines.update(next(it)["engines"])
-        columns.append(engines)
-
-    def value(engines: dict[str, dict[str, float]], engine: str, key: str) -> float | None:
-        if engine == "llama-server" or engine == "llama-server-q4_1":  # the better of its flags
-            lower = key in LOWER_IS_BETTER
-            found = [e[key] for n, e in engines.items() if n in (engine, f"{engine}-fa-off")]
-            return (min(found) if lower else max(found)) if found else None
-        e = engines.get(engine)
-        return None if e is None else float(e[key])
-
-    def row(label: str, ours: str, peer: str, key: str, limit: float) -> list[str]:
-        cells = [label]
-        for engines in columns:
-            a, b = value(engines, ours, key), value(engines, peer, key)
-            if a is None or b is None:
-                cells.append("—")
-                continue
-            met = a / b <= limit if key in LOWER_IS_BETTER else a / b >= limit
-            cells.append(bold(num(a / b, 2), met))
-        return cells
-
-    rows = [
-        row("PP=1 output tokens/s ≥ 1.05x vLLM", "ppserve-pp1", "vllm", "output_tok_s", 1.05),
-        row("PP=1 ITL p50 ≤ vLLM's", "ppserve-pp1", "vllm", "itl_ms_p50", 1.0),
-        row("PP=2 output tokens/s ≥ vLLM PP=2", "ppserve-pp2", "vllm-pp2", "output_tok_s", 1.0),
-        row("batch-1 time per token ≤ llama-server's", "ppserve-pp1", "llama-server", "batch1_itl_ms_p50", 1.0),
-        row(
+table_peers_targets = targets_table(
+    TARGET_COLUMNS,
+    [
+        ("PP=1 output tokens/s ≥ 1.05x vLLM", "ppserve-pp1", "vllm", "output_tok_s", 1.05),
+        ("PP=1 ITL p50 ≤ vLLM's", "ppserve-pp1", "vllm", "itl_ms_p50", 1.0),
+        ("PP=2 output tokens/s ≥ vLLM PP=2", "ppserve-pp2", "vllm-pp2", "output_tok_s", 1.0),
+        ("batch-1 time per token ≤ llama-server's", "ppserve-pp1", "llama-server", "batch1_itl_ms_p50", 1.0),
+        (
             "Q4_1, batch-1 time per token ≤ 1.5x llama-server's",
             "ppserve-pp1-q4_1",
             "llama-server-q4_1",
             "batch1_itl_ms_p50",
             1.5,
         ),
-        row("Q4_1, output tokens/s ≥ llama-server's", "ppserve-pp1-q4_1", "llama-server-q4_1", "output_tok_s", 1.0),
-    ]
-    return markdown(["target", *TARGET_COLUMNS], rows)
+        ("Q4_1, output tokens/s ≥ llama-server's", "ppserve-pp1-q4_1", "llama-server-q4_1", "output_tok_s", 1.0),
+    ],
+)
+
+# The same shapes on a CPU with AVX2 alone (benchmarks/peers.py --tag smollm2_f32_avx2, small_avx2, ...),
+# against the targets of the round that asked for AVX2 kernels.
+AVX2_COLUMNS: Columns = {
+    "SmolLM2-135M, float32": ("peers_smollm2_f32_avx2.json", "peers_smollm2_q4_1_avx2.json"),
+    "SmolLM2-135M, bfloat16": ("peers_smollm2_bf16_avx2.json",),
+    "small, float32": ("peers_small_avx2.json",),
+    "small, bfloat16": ("peers_small_bf16_avx2.json",),
+    "0.5B shape, float32": ("peers_realistic_avx2.json",),
+    "0.5B shape, bfloat16": ("peers_realistic_bf16_avx2.json",),
+}
+table_peers_avx2 = targets_table(
+    AVX2_COLUMNS,
+    [
+        ("PP=1 output tokens/s ≥ 1.2x vLLM", "ppserve-pp1", "vllm", "output_tok_s", 1.2),
+        ("PP=1 TTFT p50 ≤ vLLM's", "ppserve-pp1", "vllm", "ttft_ms_p50", 1.0),
+        ("batch-1 time per token ≤ 0.9x llama-server's", "ppserve-pp1", "llama-server", "batch1_itl_ms_p50", 0.9),
+        (
+            "Q4_1, batch-1 time per token ≤ 0.9x llama-server's",
+            "ppserve-pp1-q4_1",
+            "llama-server-q4_1",
+            "batch1_itl_ms_p50",
+            0.9,
+        ),
+    ],
+)
 
 
 def table_ab_throughput(results: Sequence[Result]) -> list[str]:
