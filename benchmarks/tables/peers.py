@@ -175,15 +175,14 @@ table_peers_targets = targets_table(
     ],
 )
 
-# The same shapes on a CPU with AVX2 alone (benchmarks/peers.py --tag smollm2_f32_avx2, small_avx2, ...),
-# against the targets of the round that asked for AVX2 kernels.
+# The same columns on a CPU with AVX2 alone: each run's JSON tagged _avx2 (benchmarks/peers.py --tag
+# small_avx2, ...; SmolLM2's float32 one is smollm2_f32_avx2, as smollm2_avx2 is an earlier run's).
 AVX2_COLUMNS: Columns = {
-    "SmolLM2-135M, float32": ("peers_smollm2_f32_avx2.json", "peers_smollm2_q4_1_avx2.json"),
-    "SmolLM2-135M, bfloat16": ("peers_smollm2_bf16_avx2.json",),
-    "small, float32": ("peers_small_avx2.json",),
-    "small, bfloat16": ("peers_small_bf16_avx2.json",),
-    "0.5B shape, float32": ("peers_realistic_avx2.json",),
-    "0.5B shape, bfloat16": ("peers_realistic_bf16_avx2.json",),
+    label: tuple(
+        "peers_smollm2_f32_avx2.json" if name == "peers_smollm2.json" else name.replace(".json", "_avx2.json")
+        for name in names
+    )
+    for label, names in TARGET_COLUMNS.items()
 }
 table_peers_avx2 = targets_table(
     AVX2_COLUMNS,
