@@ -5,9 +5,10 @@ all at once). A process loads one variant: the library, and gguf_quant's handles
 for the process's life.
 
 A check is either a test of tests/model/test_fast_paths.py or test_gguf_quant.py, run with every
-parameter it has (what native passes, every variant passes), or one of the functions below. OUT
-(torch.save) gets the variant that was loaded, a traceback per failed check, and the GGUF linears'
-outputs with their error bounds, for comparing the variants."""
+parameter it has (what native passes, every variant passes; not where its skipif holds for this
+variant, as the prefill kernel's for a build without one), or one of the functions below. OUT
+(torch.save) gets the variant that was loaded, a traceback per failed check, the checks skipped and
+why, and the GGUF linears' outputs with their error bounds, for comparing the variants."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # variant as they are.
 REUSED = {
     "decode_attention": ("test_fast_paths", "test_kernel_matches_sdpa"),
+    "prefill_attention": ("test_fast_paths", "test_prefill_kernel_matches_reference"),
     "gated_mul": ("test_fast_paths", "test_gated_mul_kernel_matches_torch"),
     "rope_write_kv": ("test_fast_paths", "test_rope_write_kv_kernel_equals_torch"),
     "argmax": ("test_fast_paths", "test_argmax_kernel_equals_torch"),
@@ -48,6 +50,14 @@ def _cases(test: Callable[..., None]) -> list[dict[str, Any]]:
         rows = [v.values if type(v).__name__ == "ParameterSet" else v if len(names) > 1 else (v,) for v in values]
         cases = [{**c, **dict(zip(names, row, strict=True))} for c in cases for row in rows]
     return cases
+
+
+def _skip_reason(test: Callable[..., None]) -> str | None:
+    """The reason of a test's pytest.mark.skipif that holds in this process (its variant), if any."""
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "skipif" and mark.args and mark.args[0]:
+            return str(mark.kwargs.get("reason", "skipped"))
+    return None
 
 
 def rms_norm(outputs: dict[str, torch.Tensor]) -> None:
@@ -159,12 +169,16 @@ def main(out: str) -> None:
     dll = cpu_kernels.load()  # built here, for the variant this process was given
     outputs: dict[str, torch.Tensor] = {}
     failures: dict[str, str] = {}
+    skipped: dict[str, str] = {}  # check -> why this variant has nothing to check (a kernel it lacks)
     if dll is not None:
         for check in CHECKS:
             try:
                 if check in REUSED:
                     module, name = REUSED[check]
                     test = getattr(importlib.import_module(module), name)
+                    if (reason := _skip_reason(test)) is not None:
+                        skipped[check] = reason
+                        continue
                     for case in _cases(test):
                         try:
                             test(**case)
@@ -175,7 +189,8 @@ def main(out: str) -> None:
             except Exception:
                 failures[check] = traceback.format_exc()
     library = None if dll is None else str(dll._name)
-    torch.save({"isa": cpu_kernels.isa(), "library": library, "failures": failures, "outputs": outputs}, out)
+    found = {"failures": failures, "skipped": skipped, "outputs": outputs}
+    torch.save({"isa": cpu_kernels.isa(), "library": library, **found}, out)
 
 
 if __name__ == "__main__":  # with tests/model (the test modules of REUSED) on PYTHONPATH

@@ -6,7 +6,8 @@
 // - decode_attention: one query token per request, straight from the paged KV cache; keys and
 //   values are read where they lie in their blocks, never gathered into a new tensor.
 // - prefill_attention: the causal attention of prompt chunks, in tiles of keys (on CPUs with
-//   AVX-512 BF16: bfloat16 dot products; float32 the same loops with FMAs).
+//   AVX-512 BF16: bfloat16 dot products, float32 the same loops with FMAs; on AVX2: FMAs, bfloat16
+//   widened to float).
 // - rms_norm: the residual add and RMSNorm of a decoder layer in one pass.
 // - silu_mul, gelu_mul: the MLP's SiLU(gate) * up, or GELU(gate) * up (Gemma).
 // - rope_write_kv: RoPE on q and k in place of the copy, k and v stored into the cache.
@@ -480,7 +481,8 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(PPSERVE_AVX2)
+#define PPSERVE_PREFILL_KERNEL 1
 // Prefill attention: the queries of prompt chunks, causal over their prompts' keys, by tiles of
 // sixteen keys in registers (torch's flash SDPA runs far below the CPU's arithmetic peak on prompts
 // of a few hundred tokens, and was a sizeable share of a prefill step:
@@ -495,13 +497,26 @@ void decode_attention(const T* q, const T* k, const T* v, const int64_t* tables,
 //
 // Within a task: scores in float for the keys its rows can see (tiles past a block of rows' last
 // position are skipped), the softmax of decode_attention (the same rounding of the probabilities),
-// then P @ V. In bfloat16 both products are vdpbf16ps over pairs of elements: keys packed so that
-// a register holds one pair of sixteen keys, values so that it holds sixteen columns of a pair of
-// keys. In float32 they are FMAs over keys transposed into tiles, and values read where they are.
+// then P @ V. With AVX-512 BF16, bfloat16's products are vdpbf16ps over pairs of elements: keys
+// packed so that a register holds one pair of sixteen keys, values so that it holds sixteen columns
+// of a pair of keys. Otherwise (float32, and bfloat16 on AVX2, widened to float as it is packed or
+// loaded) they are FMAs over keys transposed into tiles, and values read where they are.
 // A row's sums run over its keys in order whatever the rows next to it, so its result does not
 // depend on the chunk's other prompts or on how they are split into tasks.
 constexpr int64_t kPrefillQueries = 16;
-constexpr int kScoreRows = 8;  // rows a key tile is loaded for
+#if defined(__AVX512F__)
+constexpr int kScoreRows = 8;  // rows a key tile is loaded for: a register each
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, uint16_t>;  // bfloat16 as vdpbf16ps's pairs
+#else
+constexpr int kScoreRows = 6;  // two registers a row for a tile's sixteen keys: 12 accumulators
+template <typename T>
+constexpr bool kPairs = false;
+#endif
+template <typename T>
+constexpr int64_t key_words(int64_t head_dim) {  // 32-bit words a key (or query, or value) row
+  return kPairs<T> ? head_dim / 2 : head_dim;
+}
 
 // Element pairs of bfloat16 rows as 32-bit words (pairs are what vdpbf16ps multiplies).
 inline uint32_t pair_at(const uint16_t* row, int64_t j) {
@@ -510,29 +525,33 @@ inline uint32_t pair_at(const uint16_t* row, int64_t j) {
   return w;
 }
 
-// kt: keys [0, n) of rows `k` (stride ks) as tiles [n / 16][D][16] (float) or [n / 16][D / 2][16]
-// pairs (bfloat16), zero past n.
-template <typename T, int NV>
-void pack_key_tiles(const T* k, int64_t ks, int64_t n, int64_t tiles, std::vector<uint32_t>& kt) {
-  constexpr int64_t D = 16 * NV, W = std::is_same_v<T, float> ? D : D / 2;  // words per key
-  kt.assign(tiles * W * 16, 0u);
-  for (int64_t t = 0; t < n; ++t) {
-    uint32_t* dst = kt.data() + (t / 16) * W * 16 + t % 16;
-    for (int64_t j = 0; j < W; ++j) {
-      if constexpr (std::is_same_v<T, float>) {
-        std::memcpy(dst + j * 16, k + t * ks + j, 4);
-      } else {
-        dst[j * 16] = pair_at(k + t * ks, j);
-      }
+// Row `row` of D elements as `key_words` words: pairs, or floats.
+template <typename T, int64_t D>
+inline void row_words(const T* row, uint32_t* out, int64_t stride) {
+  for (int64_t j = 0; j < key_words<T>(D); ++j) {
+    if constexpr (kPairs<T>) {
+      out[j * stride] = pair_at(reinterpret_cast<const uint16_t*>(row), j);
+    } else {
+      const float f = to_float(row[j]);
+      std::memcpy(out + j * stride, &f, 4);
     }
   }
 }
 
+// kt: keys [0, n) of rows `k` (stride ks), at most sixteen, as a tile [words][16], zero past n.
+template <typename T, int64_t D>
+void pack_key_tile(const T* k, int64_t ks, int64_t n, uint32_t* kt) {
+  constexpr int64_t W = key_words<T>(D);
+  std::fill(kt, kt + W * 16, 0u);
+  for (int64_t t = 0; t < n; ++t) row_words<T, D>(k + t * ks, kt + t, 16);
+}
+
+#if defined(__AVX512F__)
 // scores[r][16 * tile + u] = scale * q_r . key u of the tile, for kScoreRows rows of qw (their
 // words, W a row) and tiles [0, tiles).
-template <typename T, int NV>
+template <typename T, int64_t D>
 void score_rows(const uint32_t* qw, const uint32_t* kt, int64_t tiles, float scale, float* scores, int64_t width) {
-  constexpr int64_t D = 16 * NV, W = std::is_same_v<T, float> ? D : D / 2;
+  constexpr int64_t W = key_words<T>(D);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const uint32_t* kw = kt + tile * W * 16;
@@ -553,12 +572,16 @@ void score_rows(const uint32_t* qw, const uint32_t* kt, int64_t tiles, float sca
   }
 }
 
-// acc[r] = sum over keys t < n of p[r][t] * value t, for RB rows. p: per row `pw` words (float
-// probabilities, or bfloat16 pairs); vw: the values (float: rows of stride vs; bfloat16: pairs
-// packed as [n / 2][D] words).
-template <typename T, int NV, int RB>
+// Rows a P @ V block: as many as keep every column of a row in registers (16 accumulators).
+template <int64_t D>
+constexpr int kValueRows = static_cast<int>(256 / D);
+
+// acc_out[r] = sum over keys t < n of p[r][t] * value t, for kValueRows rows. p: per row `pw`
+// words (float probabilities, or bfloat16 pairs); vw: the values (float: rows of stride vs;
+// bfloat16: pairs packed as [n / 2][D] words).
+template <typename T, int64_t D>
 void value_rows(const uint32_t* p, int64_t pw, const T* v, int64_t vs, const uint32_t* vw, int64_t n, float* acc_out) {
-  constexpr int64_t D = 16 * NV;
+  constexpr int NV = D / 16, RB = kValueRows<D>;
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
@@ -585,47 +608,109 @@ void value_rows(const uint32_t* p, int64_t pw, const T* v, int64_t vs, const uin
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * D + 16 * i, acc[r][i]);
 }
+#else
+// The same on 256-bit vectors: a tile's sixteen keys are two registers, so six rows at a time.
+template <typename T, int64_t D>
+void score_rows(const uint32_t* qw, const uint32_t* kt, int64_t tiles, float scale, float* scores, int64_t width) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const float* qf = reinterpret_cast<const float*>(qw);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* kw = reinterpret_cast<const float*>(kt + tile * D * 16);
+    __m256 acc[kScoreRows][2];
+    for (int r = 0; r < kScoreRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; ++j) {
+      const __m256 k0 = _mm256_loadu_ps(kw + j * 16), k1 = _mm256_loadu_ps(kw + j * 16 + 8);
+      for (int r = 0; r < kScoreRows; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(qf + r * D + j);
+        acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < kScoreRows; ++r) {
+      _mm256_storeu_ps(scores + r * width + tile * 16, _mm256_mul_ps(acc[r][0], vscale));
+      _mm256_storeu_ps(scores + r * width + tile * 16 + 8, _mm256_mul_ps(acc[r][1], vscale));
+    }
+  }
+}
 
-template <typename T, int NV>
+template <int64_t D>
+constexpr int kValueRows = 3;  // times four registers of columns: 12 accumulators
+
+// acc_out[r] = sum over keys t < n of p[r][t] * value t (rows of stride vs, widened as loaded), for
+// three rows of float probabilities (`pw` a row), 32 columns at a time.
+template <typename T, int64_t D>
+void value_rows(const uint32_t* p, int64_t pw, const T* v, int64_t vs, const uint32_t*, int64_t n, float* acc_out) {
+  constexpr int RB = kValueRows<D>;
+  const float* pf = reinterpret_cast<const float*>(p);
+  for (int64_t c = 0; c < D; c += 32) {
+    __m256 acc[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 vv[4];
+      for (int i = 0; i < 4; ++i) vv[i] = load8(v + t * vs + c + 8 * i);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(pf + r * pw + t);
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vv[i], acc[r][i]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc_out + r * D + c + 8 * i, acc[r][i]);
+  }
+}
+#endif
+
+template <typename T, int64_t D>
 void prefill_attention(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out, int64_t os,
                        int64_t batch, int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, float scale,
                        int64_t window) {
-  constexpr int64_t D = 16 * NV, W = std::is_same_v<T, float> ? D : D / 2;
-  constexpr int RB = 16 / NV;  // rows of a P @ V block: RB * NV accumulator registers
+  constexpr int64_t W = key_words<T>(D);
+  constexpr int RB = kValueRows<D>;
   const int64_t group = heads / kv_heads;
   const int64_t blocks = (nq + kPrefillQueries - 1) / kPrefillQueries;
   const int64_t tasks = batch * kv_heads * blocks;
   auto lo_of = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0}; };
+  // Every prompt's keys, per kv head, as tiles [batch][kv_heads][key_tiles], packed once: packed by
+  // each task, they cost a third of the time of a prompt of a few hundred tokens.
+  const int64_t key_tiles = (nk + 15) / 16, tile_words = W * 16;
+  thread_local std::vector<uint32_t> packed;  // the calling thread's (the team's threads have their own)
+  packed.resize(batch * kv_heads * key_tiles * tile_words);
+  uint32_t* const tiles_at = packed.data();
+#pragma omp parallel for
+  for (int64_t i = 0; i < batch * kv_heads * key_tiles; ++i) {
+    const int64_t b = i / (kv_heads * key_tiles), g = i / key_tiles % kv_heads, t0 = i % key_tiles * 16;
+    pack_key_tile<T, D>(k + (b * nk + t0) * ks + g * D, ks, std::min<int64_t>(16, nk - t0), tiles_at + i * tile_words);
+  }
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < tasks; ++task) {
     // The last queries (the most keys) first, so that the short tasks fill in at the end.
     const int64_t qb = blocks - 1 - task / (batch * kv_heads);
     const int64_t b = task % (batch * kv_heads) / kv_heads, g = task % kv_heads;
     const int64_t i0 = qb * kPrefillQueries, i1 = std::min(nq, i0 + kPrefillQueries);
-    // Keys [base, base + n): from the first query's lowest to the last query's own position.
-    const int64_t base = lo_of(nk - nq + i0), n = nk - nq + i1 - base;
+    // Keys [base, base + n): from the tile of the first query's lowest key to the last query's own
+    // position (keys before a row's lowest get probability zero).
+    const int64_t base = lo_of(nk - nq + i0) / 16 * 16, n = nk - nq + i1 - base;
     const int64_t tiles = (n + 15) / 16, width = tiles * 16;
     const int64_t rows = (i1 - i0) * group;  // row r: query i0 + r / group, head g * group + r % group
     const int64_t padded = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
-    const T* kb = k + (b * nk + base) * ks + g * D;
+    const uint32_t* kt = tiles_at + ((b * kv_heads + g) * key_tiles + base / 16) * tile_words;
     const T* vb = v + (b * nk + base) * vs + g * D;
-    thread_local std::vector<uint32_t> kt, qw, pw, vw;
+    thread_local std::vector<uint32_t> qw, pw, vw;
     thread_local std::vector<float> scores, acc;
     thread_local std::vector<float> denom;
-    pack_key_tiles<T, NV>(kb, ks, n, tiles, kt);
     qw.assign(padded * W, 0u);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(qw.data() + r * W, q + (b * nq + i0 + r / group) * qs + (g * group + r % group) * D, D * sizeof(T));
+      row_words<T, D>(q + (b * nq + i0 + r / group) * qs + (g * group + r % group) * D, qw.data() + r * W, 1);
     scores.resize(padded * width);
     denom.resize(rows);
     for (int64_t r0 = 0; r0 < padded; r0 += kScoreRows) {
       const int64_t r_last = std::min<int64_t>(r0 + kScoreRows, rows) - 1;
       const int64_t hi = nk - nq + i0 + r_last / group + 1 - base;
-      score_rows<T, NV>(qw.data() + r0 * W, kt.data(), (hi + 15) / 16, scale, scores.data() + r0 * width, width);
+      score_rows<T, D>(qw.data() + r0 * W, kt, (hi + 15) / 16, scale, scores.data() + r0 * width, width);
     }
     // Probabilities: zero outside a row's keys, so that a block of rows shares one loop over keys.
-    const int64_t pwidth = std::is_same_v<T, float> ? width : width / 2;
-    pw.assign(padded * pwidth, 0u);
+    const int64_t pwidth = kPairs<T> ? width / 2 : width;
+    pw.assign((rows + RB - 1) / RB * RB * pwidth, 0u);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = nk - nq + i0 + r / group, lo = lo_of(pos) - base, hi = pos + 1 - base;
       float* s = scores.data() + r * width;
@@ -633,14 +718,14 @@ void prefill_attention(const T* q, int64_t qs, const T* k, int64_t ks, const T* 
       for (int64_t t = lo; t < hi; ++t) {
         uint32_t bits;
         std::memcpy(&bits, s + t, 4);
-        if constexpr (std::is_same_v<T, float>) {
-          pw[r * pwidth + t] = bits;
-        } else {  // already a bfloat16 value: its high half
+        if constexpr (kPairs<T>) {  // already a bfloat16 value: its high half
           reinterpret_cast<uint16_t*>(pw.data() + r * pwidth)[t] = static_cast<uint16_t>(bits >> 16);
+        } else {
+          pw[r * pwidth + t] = bits;
         }
       }
     }
-    if constexpr (!std::is_same_v<T, float>) {  // values as [pair of keys][D] words
+    if constexpr (kPairs<T>) {  // values as [pair of keys][D] words
       vw.assign((n + 1) / 2 * D, 0u);
       auto* vh = reinterpret_cast<uint16_t*>(vw.data());
       for (int64_t t = 0; t < n; ++t)
@@ -650,7 +735,7 @@ void prefill_attention(const T* q, int64_t qs, const T* k, int64_t ks, const T* 
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       const int64_t rn = std::min<int64_t>(RB, rows - r0);
       const int64_t hi = nk - nq + i0 + (r0 + rn - 1) / group + 1 - base;
-      value_rows<T, NV, RB>(pw.data() + r0 * pwidth, pwidth, vb, vs, vw.data(), hi, acc.data());
+      value_rows<T, D>(pw.data() + r0 * pwidth, pwidth, vb, vs, vw.data(), hi, acc.data());
       for (int64_t r = r0; r < r0 + rn; ++r) {
         const float inv = 1.0f / denom[r];
         T* o = out + (b * nq + i0 + r / group) * os + (g * group + r % group) * D;
@@ -889,15 +974,15 @@ extern "C" {
 PPSERVE_KERNELS(f32, float)
 PPSERVE_KERNELS(bf16, uint16_t)
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(PPSERVE_PREFILL_KERNEL)
 // Returns nonzero for a head_dim it has no version for (the caller runs SDPA).
 #define PPSERVE_PREFILL(SUFFIX, T)                                                                                    \
   int prefill_attention_##SUFFIX(const T* q, int64_t qs, const T* k, int64_t ks, const T* v, int64_t vs, T* out,      \
                                  int64_t os, int64_t batch, int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads,  \
                                  int64_t head_dim, float scale, int64_t window) {                                     \
     if (head_dim != 64 && head_dim != 128) return 1;                                                                  \
-    (head_dim == 64 ? prefill_attention<T, 4> : prefill_attention<T, 8>)(q, qs, k, ks, v, vs, out, os, batch, nq, nk,  \
-                                                                          heads, kv_heads, scale, window);            \
+    (head_dim == 64 ? prefill_attention<T, 64> : prefill_attention<T, 128>)(q, qs, k, ks, v, vs, out, os, batch, nq,  \
+                                                                            nk, heads, kv_heads, scale, window);      \
     return 0;                                                                                                         \
   }
 PPSERVE_PREFILL(f32, float)

@@ -88,7 +88,9 @@ def prefill_reference(q, k, v, batch, scale, window):  # type: ignore[no-untyped
     return torch.cat(out)
 
 
-@pytest.mark.skipif(not cpu_kernels.prefill_available(torch.device("cpu"), torch.float32, 64), reason="no AVX-512 BF16")
+@pytest.mark.skipif(
+    not cpu_kernels.prefill_available(torch.device("cpu"), torch.float32, 64), reason="no prefill kernel in this build"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 2, 128), (8, 8, 64)])
 @pytest.mark.parametrize(
