@@ -670,15 +670,17 @@ void prefill_attention(const T* q, int64_t qs, const T* k, int64_t ks, const T* 
   const int64_t blocks = (nq + kPrefillQueries - 1) / kPrefillQueries;
   const int64_t tasks = batch * kv_heads * blocks;
   auto lo_of = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0}; };
-  // Every prompt's keys, per kv head, as tiles [batch][kv_heads][key_tiles], packed once: packed by
-  // each task, they cost a third of the time of a prompt of a few hundred tokens.
-  const int64_t key_tiles = (nk + 15) / 16, tile_words = W * 16;
+  // The keys any query sees, per prompt and kv head, as tiles [batch][kv_heads][key_tiles] from the
+  // tile of the first query's lowest key, packed once: packed by each task, they cost a third of
+  // the time of a prompt of a few hundred tokens.
+  const int64_t first_tile = lo_of(nk - nq) / 16, key_tiles = (nk + 15) / 16 - first_tile, tile_words = W * 16;
   thread_local std::vector<uint32_t> packed;  // the calling thread's (the team's threads have their own)
   packed.resize(batch * kv_heads * key_tiles * tile_words);
   uint32_t* const tiles_at = packed.data();
 #pragma omp parallel for
   for (int64_t i = 0; i < batch * kv_heads * key_tiles; ++i) {
-    const int64_t b = i / (kv_heads * key_tiles), g = i / key_tiles % kv_heads, t0 = i % key_tiles * 16;
+    const int64_t b = i / (kv_heads * key_tiles), g = i / key_tiles % kv_heads;
+    const int64_t t0 = (first_tile + i % key_tiles) * 16;
     pack_key_tile<T, D>(k + (b * nk + t0) * ks + g * D, ks, std::min<int64_t>(16, nk - t0), tiles_at + i * tile_words);
   }
 #pragma omp parallel for schedule(dynamic, 1)
@@ -693,7 +695,7 @@ void prefill_attention(const T* q, int64_t qs, const T* k, int64_t ks, const T* 
     const int64_t tiles = (n + 15) / 16, width = tiles * 16;
     const int64_t rows = (i1 - i0) * group;  // row r: query i0 + r / group, head g * group + r % group
     const int64_t padded = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
-    const uint32_t* kt = tiles_at + ((b * kv_heads + g) * key_tiles + base / 16) * tile_words;
+    const uint32_t* kt = tiles_at + ((b * kv_heads + g) * key_tiles + base / 16 - first_tile) * tile_words;
     const T* vb = v + (b * nk + base) * vs + g * D;
     thread_local std::vector<uint32_t> qw, pw, vw;
     thread_local std::vector<float> scores, acc;

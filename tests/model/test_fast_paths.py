@@ -95,7 +95,15 @@ def prefill_reference(q, k, v, batch, scale, window):  # type: ignore[no-untyped
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 2, 128), (8, 8, 64)])
 @pytest.mark.parametrize(
     ("batch", "nq", "nk", "window"),
-    [(3, 37, 37, None), (1, 1, 1, None), (1, 300, 300, None), (2, 20, 53, None), (1, 5, 100, 7), (2, 64, 64, 17)],
+    [
+        (3, 37, 37, None),
+        (1, 1, 1, None),
+        (1, 300, 300, None),
+        (2, 20, 53, None),
+        (1, 5, 100, 7),
+        (2, 64, 64, 17),
+        (2, 40, 300, 50),  # a chunk after a prefix, its queries' windows starting at different key tiles
+    ],
 )
 def test_prefill_kernel_matches_reference(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, batch: int, nq: int, nk: int, window: int | None
